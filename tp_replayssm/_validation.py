@@ -1,0 +1,161 @@
+"""Input validation shared by the Helion op and the PyTorch reference.
+
+Every check runs on metadata only (shape, dtype, stride, device): nothing here syncs with the device,
+and nothing is written before all checks passed. Each failure is a ``ValueError`` that names the
+argument, the expected value and the actual one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeDims:
+    """Sizes of one decode call (all local to the shard the call runs on)."""
+
+    batch: int  # B
+    num_q_heads: int  # H
+    num_v_heads: int  # HV
+    key_dim: int  # K
+    value_dim: int  # V
+    ring_length: int  # L
+    num_slots: int  # S
+
+    @property
+    def group(self) -> int:
+        """r = HV // H: value heads per q/k head."""
+        return self.num_v_heads // self.num_q_heads
+
+
+def _fail(arg: str, expected: str, actual: object) -> ValueError:
+    return ValueError(f"replayssm_decode: `{arg}` must be {expected}; got {actual}")
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_tensor(
+    name: str,
+    t: object,
+    shapes: tuple[tuple[int, ...], ...],
+    dtypes: tuple[torch.dtype, ...],
+    *,
+    last_contiguous: bool = True,
+) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise _fail(name, "a torch.Tensor", type(t).__name__)
+    if tuple(t.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise _fail(name, f"of shape {expected}", _shape(t))
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise _fail(name, f"of dtype {expected}", t.dtype)
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise _fail(name, "contiguous in its last dim (stride(-1) == 1)", f"strides {list(t.stride())}")
+    return t
+
+
+def validate_decode_inputs(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor,
+    d_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    write_pos: torch.Tensor,
+    force_flush: torch.Tensor | None,
+    lower_bound: float | None,
+) -> DecodeDims:
+    """Check every argument of ``replayssm_decode`` against SPEC section 1; return the sizes."""
+    if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
+        raise _fail("initial_state", "a 4-D tensor [S, HV, V, K]", _describe(initial_state))
+    S, HV, V, K = initial_state.shape
+    if not isinstance(d_cache, torch.Tensor) or d_cache.dim() != 4:
+        raise _fail("d_cache", "a 4-D tensor [S, HV, L, V]", _describe(d_cache))
+    L = d_cache.shape[2]
+    if L < 1:
+        raise _fail("d_cache", "a ring of length L >= 1 (dim 2)", f"L = {L}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise _fail("k_cache", "a 4-D tensor [S, H, L, K]", _describe(k_cache))
+    H = k_cache.shape[1]
+    if H < 1 or HV % H != 0:
+        raise _fail("k_cache", f"[S, H, L, K] with HV % H == 0 (HV = {HV} from initial_state)", f"H = {H}")
+    if S < 1 or HV < 1 or K < 1 or V < 1:
+        raise _fail("initial_state", "non-empty [S, HV, V, K]", _shape(initial_state))
+    _check_tensor("initial_state", initial_state, ((S, HV, V, K),), STATE_DTYPES)
+    _check_tensor("d_cache", d_cache, ((S, HV, L, V),), CACHE_DTYPES)
+    _check_tensor("k_cache", k_cache, ((S, H, L, K),), (d_cache.dtype,))
+    _check_tensor("g_cache", g_cache, ((S, HV, L, K),), (torch.float32,))
+
+    if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
+        raise _fail("mixed_qkv", f"a 2-D tensor [B, 2*H*K + HV*V] = [B, {2 * H * K + HV * V}]", _describe(mixed_qkv))
+    B = mixed_qkv.shape[0]
+    _check_tensor("mixed_qkv", mixed_qkv, ((B, 2 * H * K + HV * V),), ACTIVATION_DTYPES)
+    _check_tensor("a", a, ((B, HV * K), (B, HV, K)), ACTIVATION_DTYPES)
+    _check_tensor("b", b, ((B, HV),), ACTIVATION_DTYPES)
+    _check_tensor("A_log", A_log, ((HV,),), (torch.float32,))
+    _check_tensor("dt_bias", dt_bias, ((HV * K,), (HV, K)), (torch.float32,))
+    _check_tensor("out", out, ((B, 1, HV, V),), (mixed_qkv.dtype,))
+    _check_tensor("ssm_state_indices", ssm_state_indices, ((B,),), (torch.int32,), last_contiguous=False)
+    _check_tensor("write_pos", write_pos, ((B,),), (torch.int32,), last_contiguous=False)
+    if force_flush is not None:
+        _check_tensor("force_flush", force_flush, ((B,),), (torch.int32,), last_contiguous=False)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise _fail("scale", "None or a finite float", repr(scale))
+    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
+        raise _fail("lower_bound", "None or a finite float", repr(lower_bound))
+
+    tensors = {
+        "mixed_qkv": mixed_qkv,
+        "a": a,
+        "b": b,
+        "A_log": A_log,
+        "dt_bias": dt_bias,
+        "initial_state": initial_state,
+        "d_cache": d_cache,
+        "k_cache": k_cache,
+        "g_cache": g_cache,
+        "out": out,
+        "ssm_state_indices": ssm_state_indices,
+        "write_pos": write_pos,
+    }
+    if force_flush is not None:
+        tensors["force_flush"] = force_flush
+    check_same_device(tensors, mixed_qkv.device, reference_name="mixed_qkv")
+    return DecodeDims(batch=B, num_q_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, ring_length=L, num_slots=S)
+
+
+def check_same_device(tensors: dict[str, torch.Tensor], device: torch.device, *, reference_name: str) -> None:
+    """Raise one ``ValueError`` naming every tensor not on ``device`` and where it is instead."""
+    wrong = [f"{name} ({t.device})" for name, t in tensors.items() if t.device != device]
+    if wrong:
+        raise ValueError(
+            f"replayssm_decode: every tensor must be on {reference_name}'s device {device}; "
+            f"not on it: {', '.join(wrong)}"
+        )
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"shape {_shape(t)}"
+    return type(t).__name__
+
+
+def resolve_scale(scale: float | None, key_dim: int) -> float:
+    """``scale`` or the default ``K ** -0.5``."""
+    return float(key_dim) ** -0.5 if scale is None else float(scale)

@@ -1,0 +1,124 @@
+"""Readable PyTorch reference of the KDA ReplaySSM decode (SPEC section 1).
+
+Same signature and in-place behaviour as the Helion op in :mod:`tp_replayssm.ops`, vectorized over
+rows and heads (no Python loop per row or head), runnable on any device. All math is fp32.
+
+Shapes (local to one shard): ``B`` rows, ``H`` q/k heads, ``HV = r*H`` value heads, head dims ``K``
+and ``V``, ring length ``L``, ``S`` slots. See the table in README.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._validation import resolve_scale, validate_decode_inputs
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x*x) + eps)`` over the last dim."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(
+    a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None
+) -> torch.Tensor:
+    """Log-gate ``g [B, HV, K]`` from raw logits ``a [B, HV, K]``, ``A_log [HV]``, ``dt_bias [HV, K]``."""
+    x = a.float() + dt_bias.float()
+    A = A_log.float().exp()[:, None]
+    if lower_bound is None:
+        return -A * F.softplus(x, beta=1.0, threshold=20.0)
+    return lower_bound * torch.sigmoid(A * x)
+
+
+def replay_ring(
+    S0: torch.Tensor,
+    d: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    cursor: torch.Tensor,
+) -> torch.Tensor:
+    """Reconstruct the current state ``Sc [n, HV, V, K]`` (fp32) from a checkpoint and its ring.
+
+    ``S0 [n, HV, V, K]``, ``d [n, HV, L, V]``, ``k [n, HV, L, K]`` (already expanded to value heads),
+    ``g [n, HV, L, K]``, ``cursor [n]``: entries ``j < cursor`` are valid.
+    ``Sc = S0 * exp(sum_{j<c} g_j) + sum_{j<c} d_j (outer) (k_j * exp(sum_{j<i<c} g_i))``.
+    """
+    L = d.shape[2]
+    valid = (torch.arange(L, device=cursor.device)[None, :] < cursor[:, None].long())[:, None, :, None]
+    g = torch.where(valid, g.float(), 0.0)
+    after = g.flip(2).cumsum(2).flip(2) - g  # after[j] = sum_{j<i<c} g_i
+    total = g.sum(2)  # [n, HV, K]
+    k_decayed = torch.where(valid, k.float() * after.exp(), 0.0)
+    d = torch.where(valid, d.float(), 0.0)
+    return S0.float() * total.exp()[:, :, None, :] + torch.einsum("nhlv,nhlk->nhvk", d, k_decayed)
+
+
+def replayssm_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor,
+    d_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    write_pos: torch.Tensor,
+    force_flush: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token per row; writes ``out [B, 1, HV, V]`` and the rows' slots in place.
+
+    Returns ``(out, initial_state)``. Padding rows (slot < 0) get zeros and touch no state.
+    A row whose cursor is ``L-1`` or whose ``force_flush`` is nonzero writes its new state into the
+    checkpoint; any other row appends ``(delta, k, g)`` at ring position ``write_pos``.
+    """
+    dims = validate_decode_inputs(
+        mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+        ssm_state_indices, write_pos, force_flush, lower_bound,
+    )
+    B, H, HV, K, V, L, r = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim,
+                            dims.value_dim, dims.ring_length, dims.group)
+    x = mixed_qkv.float()
+    q = x[:, : H * K].reshape(B, H, K)
+    k = x[:, H * K : 2 * H * K].reshape(B, H, K)
+    v = x[:, 2 * H * K :].reshape(B, HV, V)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q = q * resolve_scale(scale, K)
+    g = kda_gate(a.reshape(B, HV, K), A_log, dt_bias.reshape(HV, K), lower_bound)  # [B, HV, K]
+    beta = torch.sigmoid(b.float())  # [B, HV]
+
+    rows = (ssm_state_indices >= 0).nonzero().squeeze(1)
+    s = ssm_state_indices[rows].long()
+    c = write_pos[rows].long()
+    qv = q[rows].repeat_interleave(r, dim=1)  # [n, HV, K]
+    kv = k[rows].repeat_interleave(r, dim=1)
+    gv = g[rows]
+    Sc = replay_ring(
+        initial_state[s], d_cache[s], k_cache[s].repeat_interleave(r, dim=1), g_cache[s], c
+    )
+    S_decayed = Sc * gv.exp()[:, :, None, :]
+    delta = beta[rows][:, :, None] * (v[rows] - (S_decayed @ kv[..., None])[..., 0])  # [n, HV, V]
+    S_new = S_decayed + delta[..., None] * kv[:, :, None, :]
+    o = (S_new @ qv[..., None])[..., 0]  # [n, HV, V]
+
+    flush = c == L - 1
+    if force_flush is not None:
+        flush = flush | (force_flush[rows] != 0)
+    out_full = torch.zeros(B, HV, V, dtype=torch.float32, device=out.device)
+    out_full[rows] = o
+    out.copy_(out_full[:, None].to(out.dtype))
+
+    f, nf = flush.nonzero().squeeze(1), (~flush).nonzero().squeeze(1)
+    initial_state[s[f]] = S_new[f].to(initial_state.dtype)
+    d_cache[s[nf], :, c[nf]] = delta[nf].to(d_cache.dtype)
+    g_cache[s[nf], :, c[nf]] = gv[nf]
+    # every value head of a q/k head carries the same key: store it once per q/k head
+    k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
+    return out, initial_state
