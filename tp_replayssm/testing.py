@@ -54,12 +54,15 @@ class PlainKDA:
     ``step`` takes one row per active slot and returns the outputs ``[n, HV, V]`` in float64.
     """
 
-    def __init__(self, num_slots: int, num_q_heads: int, num_v_heads: int, key_dim: int, value_dim: int):
+    def __init__(self, num_slots: int, num_q_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
+                 *, device: torch.device | str = "cpu"):
         self.H, self.HV, self.K, self.V = num_q_heads, num_v_heads, key_dim, value_dim
-        self.state = torch.zeros(num_slots, num_v_heads, value_dim, key_dim, dtype=torch.float64)
+        self.device = torch.device(device)
+        self.state = torch.zeros(num_slots, num_v_heads, value_dim, key_dim, dtype=torch.float64,
+                                 device=self.device)
 
     def load(self, slots: list[int] | torch.Tensor, states: torch.Tensor) -> None:
-        self.state[torch.as_tensor(slots, dtype=torch.long)] = states.double().cpu()
+        self.state[torch.as_tensor(slots, dtype=torch.long)] = states.double().to(self.device)
 
     def reset(self, slots: list[int] | torch.Tensor) -> None:
         self.state[torch.as_tensor(slots, dtype=torch.long)] = 0.0
@@ -69,7 +72,8 @@ class PlainKDA:
              lower_bound: float | None = None) -> torch.Tensor:
         """Advance the rows whose slot is ``>= 0``; return ``out [B, HV, V]`` (zeros for padding)."""
         H, HV, K, V = self.H, self.HV, self.K, self.V
-        x = inputs.mixed_qkv.detach().double().cpu()
+        dev = self.device
+        x = inputs.mixed_qkv.detach().double().to(dev)
         B = x.shape[0]
         q = x[:, : H * K].reshape(B, H, K)
         k = x[:, H * K : 2 * H * K].reshape(B, H, K)
@@ -79,25 +83,30 @@ class PlainKDA:
             k = k / torch.sqrt((k**2).sum(-1, keepdim=True) + 1e-6)
         q = q * (K**-0.5 if scale is None else scale)
         group = HV // H
-        head_of = torch.arange(HV) // group  # q/k head read by each value head
+        head_of = torch.arange(HV, device=dev) // group  # q/k head read by each value head
         q, k = q[:, head_of], k[:, head_of]  # [B, HV, K]
-        z = inputs.a.detach().double().cpu().reshape(B, HV, K) + params.dt_bias.double().cpu().reshape(HV, K)
-        A = params.A_log.double().cpu().exp()[:, None]
+        z = inputs.a.detach().double().to(dev).reshape(B, HV, K) + params.dt_bias.double().to(dev).reshape(HV, K)
+        A = params.A_log.double().to(dev).exp()[:, None]
         if lower_bound is None:
             softplus = torch.where(z > 20.0, z, torch.log1p(torch.exp(torch.clamp(z, max=20.0))))
             g = -A * softplus
         else:
             g = lower_bound / (1.0 + torch.exp(-A * z))
-        beta = 1.0 / (1.0 + torch.exp(-inputs.b.detach().double().cpu()))  # [B, HV]
-        out = torch.zeros(B, HV, V, dtype=torch.float64)
-        for row, slot in enumerate(torch.as_tensor(slots).tolist()):
-            if slot < 0:
-                continue
-            S = self.state[slot] * torch.exp(g[row])[:, None, :]  # [HV, V, K]
-            err = v[row] - torch.einsum("hvk,hk->hv", S, k[row])
-            S = S + (beta[row][:, None] * err)[:, :, None] * k[row][:, None, :]
-            self.state[slot] = S
-            out[row] = torch.einsum("hvk,hk->hv", S, q[row])
+        beta = 1.0 / (1.0 + torch.exp(-inputs.b.detach().double().to(dev)))  # [B, HV]
+        out = torch.zeros(B, HV, V, dtype=torch.float64, device=dev)
+        slot_list = torch.as_tensor(slots).tolist()
+        rows = [r for r, s in enumerate(slot_list) if s >= 0]
+        if not rows:
+            return out
+        if len({slot_list[r] for r in rows}) != len(rows):
+            raise ValueError(f"PlainKDA.step: a slot appears twice in one batch: {slot_list}")
+        idx = torch.tensor(rows, device=dev)
+        sl = torch.tensor([slot_list[r] for r in rows], device=dev)
+        S = self.state[sl] * torch.exp(g[idx])[:, :, None, :]  # [n, HV, V, K]
+        err = v[idx] - torch.einsum("nhvk,nhk->nhv", S, k[idx])
+        S = S + (beta[idx][:, :, None] * err)[..., None] * k[idx][:, :, None, :]
+        self.state[sl] = S
+        out[idx] = torch.einsum("nhvk,nhk->nhv", S, q[idx])
         return out
 
 

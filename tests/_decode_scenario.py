@@ -1,0 +1,130 @@
+"""A multi-step decode scenario: one op (kernel or reference) against the reference and the float64
+plain recurrence, with NaN-poisoned outputs, NaN-filled unread ring entries, 1e30 sentinels in every
+unused slot and random per-row forced flushes. Used by the CPU (interpreter) and GPU op tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from tp_replayssm import reference
+from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
+
+SENTINEL = 1e30
+OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    B: int = 4
+    H: int = 2
+    HV: int = 4
+    K: int = 16
+    V: int = 32
+    L: int = 4
+    S: int = 8
+    act_dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+    cache_dtype: torch.dtype = torch.bfloat16
+    l2norm: bool = True
+    lower_bound: float | None = None
+    steps: int = 9
+    layer_view: bool = False  # caches are layer 1 of a [2, S, ...] allocation
+    a_3d: bool = False  # a as [B, HV, K] and dt_bias as [HV, K]
+    pad_rows: int = 1
+    flush_prob: float = 0.2
+    seed: int = 0
+    device: str = "cpu"
+
+
+@dataclasses.dataclass
+class Worst:
+    out_vs_reference: float = 0.0
+    out_vs_plain64: float = 0.0
+    state_vs_plain64: float = 0.0
+    flushes: int = 0
+    appends: int = 0
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, sc: Scenario) -> torch.Tensor:
+    if sc.layer_view:
+        return torch.empty((2, *shape), dtype=dtype, device=sc.device)[1]
+    return torch.empty(shape, dtype=dtype, device=sc.device)
+
+
+def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
+    """Run ``sc.steps`` decode steps with ``op``; assert every invariant; return the worst errors."""
+    gen = torch.Generator().manual_seed(sc.seed)
+    dev = torch.device(sc.device)
+    params = random_head_params(sc.HV, sc.K, device=dev, generator=gen)
+    n_active = sc.B - sc.pad_rows
+    perm = torch.randperm(sc.S, generator=gen)
+    active, unused = perm[:n_active], perm[n_active:]
+    slots = torch.full((sc.B,), -1, dtype=torch.int32)
+    rows = torch.randperm(sc.B, generator=gen)[:n_active]
+    slots[rows] = active.int()
+    slots = slots.to(dev)
+
+    state = _alloc((sc.S, sc.HV, sc.V, sc.K), sc.state_dtype, sc)
+    d_cache = _alloc((sc.S, sc.HV, sc.L, sc.V), sc.cache_dtype, sc)
+    k_cache = _alloc((sc.S, sc.H, sc.L, sc.K), sc.cache_dtype, sc)
+    g_cache = _alloc((sc.S, sc.HV, sc.L, sc.K), torch.float32, sc)
+    caches = (state, d_cache, k_cache, g_cache)
+    for t in caches:
+        t.fill_(SENTINEL)
+        t[active.to(dev)] = float("nan")  # ring entries j >= cursor must never be read
+    init = (0.1 * torch.randn(n_active, sc.HV, sc.V, sc.K, generator=gen)).to(dev)
+    state[active.to(dev)] = init.to(sc.state_dtype)
+    oracle = PlainKDA(sc.S, sc.H, sc.HV, sc.K, sc.V, device=dev)
+    oracle.load(active, state[active.to(dev)].double())
+    sentinels = [t[unused.to(dev)].clone() for t in caches]
+    cursor = torch.zeros(sc.B, dtype=torch.int32, device=dev)
+    pad = slots < 0
+    worst = Worst()
+
+    for _ in range(sc.steps):
+        inp = random_decode_inputs(sc.B, sc.H, sc.HV, sc.K, sc.V, dtype=sc.act_dtype, device=dev, generator=gen)
+        if not sc.l2norm:  # keep raw q/k at unit scale so the recurrence stays bounded
+            qk = 2 * sc.H * sc.K
+            mq = inp.mixed_qkv.clone()
+            mq[:, :qk] = (mq[:, :qk].float() / sc.K**0.5).to(sc.act_dtype)
+            inp = dataclasses.replace(inp, mixed_qkv=mq)
+        a = inp.a.unflatten(1, (sc.HV, sc.K)) if sc.a_3d else inp.a
+        dt_bias = params.dt_bias.unflatten(0, (sc.HV, sc.K)) if sc.a_3d else params.dt_bias
+        force = (torch.rand(sc.B, generator=gen) < sc.flush_prob).int().to(dev)
+        out = torch.full((sc.B, 1, sc.HV, sc.V), float("nan"), dtype=sc.act_dtype, device=dev)
+        ref_out = out.clone()
+        ref_caches = [t.clone() for t in caches]
+        args = (inp.mixed_qkv, a, inp.b, params.A_log, dt_bias, None)
+        tail = (slots, cursor, force, sc.l2norm, sc.lower_bound)
+        result = op(*args, *caches, out, *tail)
+        reference.replayssm_decode(*args, *ref_caches, ref_out, *tail)
+        expected = oracle.step(inp, params, slots.cpu(), use_qk_l2norm=sc.l2norm, lower_bound=sc.lower_bound)
+
+        assert result[0] is out and result[1] is state, "op must return (out, initial_state) in place"
+        assert torch.isfinite(out).all(), "out has unwritten (NaN) or non-finite entries"
+        assert (out[pad] == 0).all(), "padding rows must be exactly zero"
+        worst.out_vs_reference = max(worst.out_vs_reference, rel_err(out, ref_out))
+        worst.out_vs_plain64 = max(worst.out_vs_plain64, rel_err(out[:, 0], expected))
+        for name, got, want in zip(("initial_state", "d_cache", "k_cache", "g_cache"), caches, ref_caches):
+            # one rounding step of the stored dtype apart at most
+            tol = 2e-5 if got.dtype == torch.float32 else (2**-10 if got.dtype == torch.float16 else 2**-7)
+            torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-5, equal_nan=True,
+                                       msg=lambda m, n=name: f"{n} differs from the reference: {m}")
+        for t, before in zip(caches, sentinels):
+            assert torch.equal(t[unused.to(dev)], before), "an unused slot was written"
+
+        flush = (cursor == sc.L - 1) | (force != 0)
+        worst.flushes += int((flush & ~pad).sum())
+        worst.appends += int((~flush & ~pad).sum())
+        cursor = torch.where(flush, 0, cursor + 1).int()
+
+    # the state the pool would read back (checkpoint + ring) equals the float64 recurrence
+    act = slots[~pad].long()
+    replayed = reference.replay_ring(
+        state[act], d_cache[act], k_cache[act].repeat_interleave(sc.HV // sc.H, dim=1), g_cache[act], cursor[~pad]
+    )
+    worst.state_vs_plain64 = rel_err(replayed, oracle.state[act])
+    return worst

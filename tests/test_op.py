@@ -1,0 +1,168 @@
+"""The Helion decode op (run by the Triton interpreter on CPU) against the PyTorch reference and the
+float64 plain recurrence, over several ring cycles; plus the input validation of both."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tp_replayssm import ops, reference
+from _decode_scenario import OUT_TOL, Scenario, run_scenario
+
+CASES = {
+    # GQA r=2, bf16 activations and rings, fp32 checkpoint, l2norm, softplus gate
+    "gqa-bf16ring-fp32state": Scenario(),
+    # H = HV, bf16 checkpoint, fp32 rings, fp16 activations, no l2norm, bounded gate, L=3
+    "bf16state-fp32ring-bounded": Scenario(H=4, HV=4, L=3, act_dtype=torch.float16, state_dtype=torch.bfloat16,
+                                            cache_dtype=torch.float32, l2norm=False, lower_bound=-5.0, steps=7),
+    # L = 1: every step flushes
+    "ring-length-1": Scenario(L=1, act_dtype=torch.float32, cache_dtype=torch.float32, steps=3, B=3),
+    # layer slice of a [2, S, ...] pool (strided views), two value tiles (V=64), a [B,HV,K], dt_bias [HV,K]
+    "strided-layer-view-2-vtiles": Scenario(V=64, layer_view=True, a_3d=True, act_dtype=torch.float32,
+                                            cache_dtype=torch.float32, steps=6, B=3, HV=2, H=1),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_and_plain_recurrence(name: str) -> None:
+    sc = CASES[name]
+    worst = run_scenario(sc, ops.replayssm_decode)
+    assert worst.flushes > 0 and (sc.L == 1 or worst.appends > 0)
+    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
+    # vs float64 without a ring: only the cache/state/activation roundings separate them
+    bf16_somewhere = torch.bfloat16 in (sc.act_dtype, sc.state_dtype, sc.cache_dtype)
+    limit = 3e-2 if bf16_somewhere else (3e-3 if sc.act_dtype == torch.float16 else 1e-4)
+    assert worst.out_vs_plain64 <= limit, worst
+    state_limit = 3e-2 if (sc.state_dtype == torch.bfloat16 or sc.cache_dtype == torch.bfloat16) else 1e-4
+    assert worst.state_vs_plain64 <= state_limit, worst
+
+
+def test_reference_matches_plain_recurrence_tightly_in_fp32() -> None:
+    sc = Scenario(act_dtype=torch.float32, cache_dtype=torch.float32, steps=10, flush_prob=0.3)
+    worst = run_scenario(sc, reference.replayssm_decode)
+    assert worst.out_vs_plain64 < 1e-5 and worst.state_vs_plain64 < 1e-5, worst
+
+
+def test_kernel_refuses_cpu_tensors_without_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("HELION_INTERPRET", raising=False)
+    t = _tensors()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        ops.replayssm_decode(**t)
+
+
+# ---------------------------------------------------------------- validation
+
+B, H, HV, K, V, L, S = 3, 2, 4, 16, 16, 4, 5
+
+
+def _tensors(**overrides: object) -> dict[str, object]:
+    t: dict[str, object] = dict(
+        mixed_qkv=torch.randn(B, 2 * H * K + HV * V, dtype=torch.bfloat16),
+        a=torch.randn(B, HV * K, dtype=torch.bfloat16),
+        b=torch.randn(B, HV, dtype=torch.bfloat16),
+        A_log=torch.randn(HV),
+        dt_bias=torch.randn(HV * K),
+        scale=None,
+        initial_state=torch.randn(S, HV, V, K),
+        d_cache=torch.randn(S, HV, L, V, dtype=torch.bfloat16),
+        k_cache=torch.randn(S, H, L, K, dtype=torch.bfloat16),
+        g_cache=torch.randn(S, HV, L, K),
+        out=torch.full((B, 1, HV, V), 7.0, dtype=torch.bfloat16),
+        ssm_state_indices=torch.tensor([0, 2, -1], dtype=torch.int32),
+        write_pos=torch.tensor([0, 1, 0], dtype=torch.int32),
+        force_flush=None,
+        use_qk_l2norm_in_kernel=True,
+        lower_bound=None,
+    )
+    t.update(overrides)
+    return t
+
+
+BAD_INPUTS = {
+    "mixed_qkv": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V + 1, dtype=torch.bfloat16)), r"\[3, 129\]"),
+    "mixed_qkv-dtype": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V, dtype=torch.float64)), "float64"),
+    "a": (dict(a=torch.randn(B, HV * K + 1, dtype=torch.bfloat16)), r"\[3, 65\]"),
+    "b": (dict(b=torch.randn(B, HV + 1, dtype=torch.bfloat16)), r"\[3, 5\]"),
+    "A_log": (dict(A_log=torch.randn(HV, dtype=torch.bfloat16)), "bfloat16"),
+    "dt_bias": (dict(dt_bias=torch.randn(HV * K + 2)), r"\[66\]"),
+    "initial_state": (dict(initial_state=torch.randn(S, HV, V, K, dtype=torch.float16)), "float16"),
+    "d_cache": (dict(d_cache=torch.randn(S, HV, L, V + 1, dtype=torch.bfloat16)), r"\[5, 4, 4, 17\]"),
+    "k_cache": (dict(k_cache=torch.randn(S, H, L, K)), "float32"),
+    "g_cache": (dict(g_cache=torch.randn(S, HV, L, K, dtype=torch.bfloat16)), "bfloat16"),
+    "out": (dict(out=torch.zeros(B, HV, V, dtype=torch.bfloat16)), r"\[3, 4, 16\]"),
+    "ssm_state_indices": (dict(ssm_state_indices=torch.tensor([0, 1, 2])), "int64"),
+    "write_pos": (dict(write_pos=torch.zeros(B + 1, dtype=torch.int32)), r"\[4\]"),
+    "force_flush": (dict(force_flush=torch.zeros(B, dtype=torch.bool)), "bool"),
+    "scale": (dict(scale=float("nan")), "nan"),
+    "lower_bound": (dict(lower_bound=float("inf")), "inf"),
+    "k_cache-heads": (dict(k_cache=torch.randn(S, 3, L, K, dtype=torch.bfloat16)), "H = 3"),
+    "initial_state-layout": (dict(initial_state=torch.randn(S, HV, K, V).transpose(2, 3)), "stride"),
+    "d_cache-ring": (dict(d_cache=torch.randn(S, HV, 0, V, dtype=torch.bfloat16)), "L = 0"),
+}
+
+
+@pytest.mark.parametrize("impl", [ops.replayssm_decode, reference.replayssm_decode], ids=["op", "reference"])
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_raises_naming_argument_and_writes_nothing(impl, case: str) -> None:  # noqa: ANN001
+    overrides, actual = BAD_INPUTS[case]
+    t = _tensors(**overrides)
+    arg = case.split("-")[0]
+    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=f"`{arg}`") as info:
+        impl(**t)
+    assert pytest.importorskip("re").search(actual, str(info.value)), str(info.value)
+    for k, v in snapshot.items():
+        assert torch.equal(t[k], v, ) or (t[k].isnan() == v.isnan()).all(), f"{k} was written"
+
+
+@pytest.mark.parametrize("impl", [ops.replayssm_decode, reference.replayssm_decode], ids=["op", "reference"])
+def test_tensors_off_the_activation_device_are_all_named(impl) -> None:  # noqa: ANN001
+    t = _tensors()
+    t["d_cache"] = t["d_cache"].to("meta")
+    t["write_pos"] = t["write_pos"].to("meta")
+    with pytest.raises(ValueError, match="same device|mixed_qkv's device") as info:
+        impl(**t)
+    msg = str(info.value)
+    assert "d_cache (meta)" in msg and "write_pos (meta)" in msg and "k_cache" not in msg, msg
+
+
+def test_fake_cuda_tensors_on_another_gpu_are_named() -> None:
+    """The SGLang failure mode: activations on cuda:1, caches left on cuda:0 (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        t = {k: (v.to("cuda:1") if isinstance(v, torch.Tensor) else v) for k, v in _tensors().items()}
+        for name in ("initial_state", "k_cache", "g_cache"):
+            t[name] = torch.empty(t[name].shape, dtype=t[name].dtype, device="cuda:0")
+        with pytest.raises(ValueError) as info:
+            ops.replayssm_decode(**t)
+    msg = str(info.value)
+    assert "cuda:1" in msg and all(f"{n} (cuda:0)" in msg for n in ("initial_state", "k_cache", "g_cache")), msg
+    assert "d_cache" not in msg
+
+
+def test_empty_batch_is_a_no_op() -> None:
+    t = _tensors(
+        mixed_qkv=torch.randn(0, 2 * H * K + HV * V, dtype=torch.bfloat16),
+        a=torch.randn(0, HV * K, dtype=torch.bfloat16), b=torch.randn(0, HV, dtype=torch.bfloat16),
+        out=torch.empty(0, 1, HV, V, dtype=torch.bfloat16),
+        ssm_state_indices=torch.empty(0, dtype=torch.int32), write_pos=torch.empty(0, dtype=torch.int32),
+    )
+    before = t["initial_state"].clone()
+    ops.replayssm_decode(**t)
+    assert torch.equal(t["initial_state"], before)
+
+
+def test_scenario_detects_a_wrong_kernel() -> None:
+    """The harness itself can fail: an op that forgets the ring (always flushes from S0) is caught."""
+
+    def forgetful(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        args = list(args)
+        args[12] = torch.zeros_like(args[12])  # write_pos := 0: ring ignored
+        return reference.replayssm_decode(*args, **kwargs)
+
+    with pytest.raises(AssertionError):
+        run_scenario(dataclasses.replace(CASES["gqa-bf16ring-fp32state"], steps=4), forgetful)

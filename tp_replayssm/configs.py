@@ -1,0 +1,35 @@
+"""Pinned Helion configs for the decode kernel, per device kind, state dtype and batch regime.
+
+GPU configs were tuned on an H200 (see ``benchmarks/RESULTS.md``). The CPU config serves the Triton
+interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
+``tensor_descriptor`` indexing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import helion
+
+from ._validation import DecodeDims
+
+_CPU_INTERPRETER = helion.Config(block_sizes=[32], indexing="pointer", num_warps=4, num_stages=1)
+
+
+def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device) -> helion.Config:
+    """The pinned config for one call: ``block_sizes[0]`` is the value-tile width ``Vt``."""
+    if device.type != "cuda":
+        return _CPU_INTERPRETER
+    return _gpu_config(dims, state_dtype)
+
+
+def _gpu_config(dims: DecodeDims, state_dtype: torch.dtype) -> helion.Config:
+    programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
+    if programs_full >= 512:
+        vt = 128
+    elif programs_full >= 128:
+        vt = 64
+    else:
+        vt = 32
+    vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
+    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=4 if vt <= 64 else 8, num_stages=1)

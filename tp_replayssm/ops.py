@@ -1,0 +1,126 @@
+"""``replayssm_decode``: the Helion ReplaySSM decode op (SPEC section 1, fixed signature).
+
+Validates every argument (``ValueError`` before anything is written), builds the kernel's views
+without copying any cache, and launches :func:`tp_replayssm.kernel.replayssm_decode_kernel` on the
+inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
+without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ._validation import DecodeDims, resolve_scale, validate_decode_inputs
+
+
+def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Overlapping ``[span, last]`` view of a 4-D tensor with contiguous last dim, and its outer strides.
+
+    Row ``r`` of the view is the ``last`` contiguous elements starting at element ``r`` of ``t``, so
+    element ``[i, j, l, :]`` of ``t`` is row ``i*s0 + j*s1 + l*s2``.
+    """
+    s0, s1, s2, _ = t.stride()
+    span = sum((n - 1) * s for n, s in zip(t.shape[:3], (s0, s1, s2))) + 1
+    rows = t.as_strided((span, t.shape[3]), (1, 1), t.storage_offset())
+    return rows, (s0, s1, s2)
+
+
+def _interpreter_or_cuda(device: torch.device) -> None:
+    if device.type == "cuda":
+        return
+    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("HELION_INTERPRET") == "1":
+        return
+    raise ValueError(
+        f"replayssm_decode: the Helion kernel needs CUDA tensors, got tensors on {device}; on a machine "
+        "without a GPU set TRITON_INTERPRET=1 (before importing torch/helion) to run it in the Triton "
+        "interpreter, or call tp_replayssm.reference.replayssm_decode explicitly"
+    )
+
+
+_ZERO_FLAGS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _no_flush(batch: int, device: torch.device) -> torch.Tensor:
+    """A cached all-zero ``force_flush`` for callers that passed None (never written)."""
+    key = (device, batch)
+    t = _ZERO_FLAGS.get(key)
+    if t is None:
+        t = _ZERO_FLAGS[key] = torch.zeros(batch, dtype=torch.int32, device=device)
+    return t
+
+
+def replayssm_decode(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor,
+    d_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    write_pos: torch.Tensor,
+    force_flush: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KDA ReplaySSM decode, one token per row, in place. Returns ``(out, initial_state)``.
+
+    Shapes: ``mixed_qkv [B, 2HK+HV*V]``, ``a [B, HV*K]`` or ``[B, HV, K]``, ``b [B, HV]``,
+    ``A_log [HV]``, ``dt_bias [HV*K]`` or ``[HV, K]``, ``initial_state [S, HV, V, K]``,
+    ``d_cache [S, HV, L, V]``, ``k_cache [S, H, L, K]``, ``g_cache [S, HV, L, K]``,
+    ``out [B, 1, HV, V]``, ``ssm_state_indices``/``write_pos``/``force_flush [B]`` int32.
+    """
+    dims = validate_decode_inputs(
+        mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+        ssm_state_indices, write_pos, force_flush, lower_bound,
+    )
+    device = mixed_qkv.device
+    _interpreter_or_cuda(device)
+    if dims.batch == 0:
+        return out, initial_state
+    launch(dims, mixed_qkv, a, b, A_log, dt_bias, resolve_scale(scale, dims.key_dim), initial_state,
+           d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
+           _no_flush(dims.batch, device) if force_flush is None else force_flush,
+           bool(use_qk_l2norm_in_kernel), lower_bound)
+    return out, initial_state
+
+
+def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+           A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, initial_state: torch.Tensor,
+           d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
+           slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
+           use_l2norm: bool, lower_bound: float | None) -> None:
+    """Launch the kernel on already-validated inputs (the pool's hot path calls this directly)."""
+    from . import kernel as _kernel
+    from ._interpreter import install_libdevice_shim
+    from .configs import select_config
+
+    install_libdevice_shim()
+
+    B, H, HV, K, V, L = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
+                         dims.ring_length)
+    q3 = mixed_qkv[:, : H * K].unflatten(1, (H, K))
+    k3 = mixed_qkv[:, H * K : 2 * H * K].unflatten(1, (H, K))
+    v3 = mixed_qkv[:, 2 * H * K :].unflatten(1, (HV, V))
+    a3 = a if a.dim() == 3 else a.unflatten(1, (HV, K))
+    dt2 = dt_bias if dt_bias.dim() == 2 else dt_bias.unflatten(0, (HV, K))
+    state_rows, st = _rows_view(initial_state)
+    d_rows, dr = _rows_view(d_cache)
+    k_rows, kr = _rows_view(k_cache)
+    g_rows, gr = _rows_view(g_cache)
+    ring_block = max(16, 1 << (L - 1).bit_length())
+    kern = _kernel.kernel_for(select_config(dims, initial_state.dtype, mixed_qkv.device))
+    guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kern(
+            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
+            slots, write_pos, force_flush, scale, 0.0 if lower_bound is None else float(lower_bound),
+            *st, *dr, *kr, *gr, L, ring_block, use_l2norm, lower_bound is not None,
+        )
