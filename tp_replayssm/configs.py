@@ -13,14 +13,22 @@ import helion
 
 from ._validation import DecodeDims
 
+# Set by benchmarks/tune_decode.py to time a candidate config; None in normal use.
+FORCED_CONFIG: helion.Config | None = None
+
 _CPU_INTERPRETER = helion.Config(block_sizes=[32], indexing="pointer", num_warps=4, num_stages=1)
 
 
-def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device) -> helion.Config:
-    """The pinned config for one call: ``block_sizes[0]`` is the value-tile width ``Vt``."""
+def select_config(dims: DecodeDims, state_dtype: torch.dtype,
+                  device: torch.device) -> tuple[helion.Config, helion.Config]:
+    """The pinned (step, flush) configs for one call: ``block_sizes[0]`` is the value-tile width."""
     if device.type != "cuda":
-        return _CPU_INTERPRETER
-    return _gpu_config(dims, state_dtype)
+        return _CPU_INTERPRETER, _CPU_INTERPRETER
+    step = FORCED_CONFIG if FORCED_CONFIG is not None else _gpu_config(dims, state_dtype)
+    return step, _FLUSH_GPU
+
+
+_FLUSH_GPU = helion.Config(block_sizes=[32], indexing="pointer", num_warps=4, num_stages=1)
 
 
 def _gpu_config(dims: DecodeDims, state_dtype: torch.dtype) -> helion.Config:
@@ -32,4 +40,4 @@ def _gpu_config(dims: DecodeDims, state_dtype: torch.dtype) -> helion.Config:
     else:
         vt = 32
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=4 if vt <= 64 else 8, num_stages=1)
+    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=4, num_stages=1)

@@ -116,11 +116,18 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     ring_block = max(16, 1 << (L - 1).bit_length())
-    kern = _kernel.kernel_for(select_config(dims, initial_state.dtype, mixed_qkv.device))
+    step_cfg, flush_cfg = select_config(dims, initial_state.dtype, mixed_qkv.device)
+    delta_scratch = torch.empty(B, HV, V, dtype=torch.float32, device=mixed_qkv.device)
+    lb = 0.0 if lower_bound is None else float(lower_bound)
+    strides = (*st, *dr, *kr, *gr)
+    flags = (L, ring_block, use_l2norm, lower_bound is not None)
     guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        kern(
-            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
-            slots, write_pos, force_flush, scale, 0.0 if lower_bound is None else float(lower_bound),
-            *st, *dr, *kr, *gr, L, ring_block, use_l2norm, lower_bound is not None,
+        _kernel.step_kernel_for(step_cfg)(
+            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1), delta_scratch,
+            slots, write_pos, force_flush, scale, lb, *strides, *flags,
+        )
+        _kernel.flush_kernel_for(flush_cfg)(
+            k3, a3, A_log, dt2, state_rows, d_rows, k_rows, g_rows, delta_scratch, slots, write_pos,
+            force_flush, lb, *strides, *flags,
         )

@@ -1,0 +1,185 @@
+"""Config sweep for the decode kernel on a GPU (the data behind ``tp_replayssm/configs.py``).
+
+For each shape and candidate config: one full cursor cycle (L steps, write_pos 0..L-1, the last
+flushes) captured in a CUDA graph over disjoint slot sets (so the state streams from HBM, not L2),
+replayed round-robin; prints us/step (median of replays / L) per config and the best one.
+
+    python benchmarks/tune_decode.py --hv 32 8 --batch 1 8 32 128 512 --state fp32 bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+
+import torch
+
+import helion
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    x = torch.empty(2 * 1024**3 // 4, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        s.record()
+        y.copy_(x)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * x.numel() * 4 / statistics.median(times)
+
+
+def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_sets: int, K: int = 128, V: int = 128):
+    from tp_replayssm.testing import random_decode_inputs, random_head_params
+
+    S = B * n_sets
+    dev = torch.device("cuda")
+    st = (0.05 * torch.randn(S, HV, V, K, device=dev)).to(state_dtype)
+    d = (0.05 * torch.randn(S, HV, L, V, device=dev)).bfloat16()
+    kc = (0.1 * torch.randn(S, H, L, K, device=dev)).bfloat16()
+    g = -0.05 * torch.rand(S, HV, L, K, device=dev)
+    p = random_head_params(HV, K, device=dev)
+    inputs = [random_decode_inputs(B, H, HV, K, V, device=dev) for _ in range(L)]
+    out = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device=dev)
+    slot_sets = [torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=dev) for i in range(n_sets)]
+    cursors = [torch.full((B,), c, dtype=torch.int32, device=dev) for c in range(L)]
+    return dict(st=st, d=d, kc=kc, g=g, p=p, inputs=inputs, out=out, slot_sets=slot_sets, cursors=cursors)
+
+
+def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
+    """us per step, averaged over full cycles (every phase incl. the flush)."""
+    graphs = []
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for slots in prob["slot_sets"]:  # warm-up/compile outside capture
+            for c in range(L):
+                launch(prob, slots, c)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for slots in prob["slot_sets"]:
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            for c in range(L):
+                launch(prob, slots, c)
+        graphs.append(gr)
+    for gr in graphs:
+        gr.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        s.record()
+        for gr in graphs:
+            gr.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / (len(graphs) * L))
+    return statistics.median(times)
+
+
+def op_launch(config: helion.Config | None, flush: bool = True):
+    from tp_replayssm import configs, kernel, ops
+
+    def launch(prob: dict, slots: torch.Tensor, c: int) -> None:
+        inp = prob["inputs"][c]
+        p = prob["p"]
+        if config is not None:
+            configs.FORCED_CONFIG = config
+        real_flush = kernel.flush_kernel_for
+        if not flush:  # time the step kernel alone (results are then wrong on flush steps)
+            kernel.flush_kernel_for = lambda cfg: (lambda *a: None)
+        try:
+            ops.replayssm_decode(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, prob["st"], prob["d"],
+                                 prob["kc"], prob["g"], prob["out"], slots, prob["cursors"][c], None, True, None)
+        finally:
+            configs.FORCED_CONFIG = None
+            kernel.flush_kernel_for = real_flush
+
+    return launch
+
+
+def register_report() -> None:
+    """Registers / spills / shared memory of every compiled ReplaySSM Triton kernel."""
+    import sys
+
+    import triton
+
+    seen = set()
+    for mod in list(sys.modules.values()):
+        for name, obj in list(vars(mod).items()) if hasattr(mod, "__dict__") else []:
+            if not (isinstance(obj, triton.runtime.jit.JITFunction) and name.startswith("_helion_replayssm")):
+                continue
+            for cache in getattr(obj, "device_caches", {}).values():
+                for key, k in cache[0].items():
+                    tag = (name, id(k))
+                    if tag in seen:
+                        continue
+                    seen.add(tag)
+                    md = k.metadata
+                    print(f"{name}: regs={k.n_regs} spills={k.n_spills} warps={md.num_warps} "
+                          f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hv", type=int, nargs="+", default=[32, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 512])
+    ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--ring", type=int, default=16)
+    ap.add_argument("--vt", type=int, nargs="+", default=[32, 64, 128])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--default-only", action="store_true")
+    ap.add_argument("--step-only", action="store_true", help="also time the step kernel alone")
+    ap.add_argument("--stages", type=int, nargs="+", default=[1])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("tune_decode.py needs a CUDA GPU")
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for HV, B, sname in itertools.product(args.hv, args.batch, args.state):
+        sdt = torch.float32 if sname == "fp32" else torch.bfloat16
+        per_set = B * HV * 128 * 128 * sdt.itemsize
+        n_sets = max(1, min(16, (512 * 1024**2) // per_set))
+        prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
+        cands = [None] if args.default_only else [None] + [
+            helion.Config(block_sizes=[vt], indexing="pointer", num_warps=w, num_stages=st)
+            for vt, w, st in itertools.product(args.vt, args.warps, args.stages)
+        ]
+        runs = [(c, True) for c in cands] + ([(None, False)] if args.step_only else [])
+        for cfg, with_flush in runs:
+            try:
+                us = time_cycle(prob, op_launch(cfg, with_flush), args.ring)
+            except Exception as exc:  # noqa: BLE001 - record and go on
+                print(f"HV={HV} B={B} {sname} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            name = "default" if cfg is None else f"vt{cfg['block_sizes'][0]}-w{cfg['num_warps']}-s{cfg['num_stages']}"
+            name += "" if with_flush else "-stepOnly"
+            rows.append(dict(HV=HV, B=B, state=sname, config=name, us=us))
+            print(f"HV={HV:3d} B={B:4d} {sname} {name:12s} {us:9.2f} us/step", flush=True)
+        del prob
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "tune.json"), "w") as f:
+        json.dump(dict(copy_bw=bw, rows=rows), f, indent=1)
+    register_report()
+    print("\nbest per shape:")
+    for key, grp in itertools.groupby(rows, key=lambda r: (r["HV"], r["B"], r["state"])):
+        grp = list(grp)
+        best = min((r for r in grp if "stepOnly" not in r["config"]), key=lambda r: r["us"])
+        dflt = next((r["us"] for r in grp if r["config"] == "default"), float("nan"))
+        print(f"HV={key[0]:3d} B={key[1]:4d} {key[2]}: best {best['config']:12s} {best['us']:8.2f} us  default {dflt:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()

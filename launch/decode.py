@@ -1,0 +1,429 @@
+"""The main job: a tensor-parallel KDA ReplaySSM decode engine, run with torchrun.
+
+    torchrun --standalone --nproc-per-node 2 launch/decode.py                      # CPU, gloo, tiny
+    torchrun --standalone --nproc-per-node 8 launch/decode.py --device cuda --shape kimi-linear
+    torchrun --standalone --nproc-per-node 2 launch/decode.py --inject-fault cache-device
+
+Every rank builds its shard of a multi-layer :class:`tp_replayssm.ReplaySSMStatePool` (collective
+construction = the first placement check), then runs an engine loop: requests arrive (``alloc`` and a
+prefill by ``load_state`` with random states), every step runs a tiny TP KDA layer stack around the
+pool (RMSNorm, column-parallel q/k/v/a/b projections of the rank's heads from the hidden vector
+``x [B, D]``, ``pool.decode``, row-parallel output projection ``[B, HV_l*V] @ [HV_l*V, D]`` and an
+``all_reduce``, residual), ``pool.advance``, and requests finish (their last token force-flushes the
+ring) and free their slot. Rows without a request are padding rows (slot ``-1``), so the batch shape
+never changes. Every rank checks a sample of rows against the float64 oracle
+:class:`tp_replayssm.testing.PlainKDA` (outputs from the state ``read_state`` gave before the step, and
+the state after it), and the job exits non-zero on any mismatch. Rank 0 prints a summary: tokens/s,
+achieved state GB/s, memory per rank, placement-check cost.
+
+All ranks draw the same scheduling and activation random numbers (one seed), so row ``b`` is the
+same request on every rank; weights are generated per head block, so each rank materializes only
+its own column/row slices. ``--inject-fault KIND`` makes the last rank misplaced or disagreeing to
+demonstrate each placement error: every rank then raises the same ``PlacementError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import resource
+import sys
+import time
+
+SHAPES = {
+    # H q/k heads, HV value heads, K, V, layers, hidden size D
+    "tiny": dict(num_q_heads=2, num_v_heads=4, key_dim=16, value_dim=16, num_layers=2, hidden=32),
+    "kimi-linear": dict(num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, num_layers=20, hidden=2304),
+}
+FAULTS = ("pool-device", "cache-device", "activation-device", "same-device", "ring-length", "num-slots",
+          "num-layers", "state-dtype", "cache-dtype", "tp-rank")
+
+log = logging.getLogger("decode")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="tiny")
+    p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    p.add_argument("--steps", type=int, default=8, help="decode steps")
+    p.add_argument("--batch", type=int, default=4, help="rows per step (padding rows included)")
+    p.add_argument("--slots", type=int, default=None, help="pool slots (default 2*batch)")
+    p.add_argument("--ring-length", type=int, default=4)
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument("--min-len", type=int, default=2, help="shortest request (tokens to decode)")
+    p.add_argument("--max-len", type=int, default=6, help="longest request")
+    p.add_argument("--arrival", type=float, default=0.7, help="chance an empty row admits a request per step")
+    p.add_argument("--check-every", type=int, default=1, help="verify sampled rows every N steps (0: never)")
+    p.add_argument("--check-rows", type=int, default=2, help="rows sampled per checked step")
+    p.add_argument("--log-every", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=300.0, help="main process group timeout, seconds")
+    p.add_argument("--inject-fault", choices=FAULTS, default=None, help="demonstrate a placement error")
+    p.add_argument("--corrupt-output", action="store_true",
+                   help="self-test of the verification: the last rank perturbs one decode output (exits non-zero)")
+    args = p.parse_args(argv)
+    if args.inject_fault == "same-device" and args.device != "cuda":
+        p.error("--inject-fault same-device needs --device cuda (several CPU ranks per host are fine)")
+    for name in ("steps", "batch", "ring_length", "min_len", "max_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_len < args.min_len:
+        p.error("--max-len must be >= --min-len")
+    return args
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    slot: int
+    remaining: int  # tokens still to decode
+    cursor: int = 0  # host mirror of the pool's ring cursor (for the traffic estimate)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cpu" or not _cuda_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before helion/triton are imported
+    rank_tag = os.environ.get("RANK", "?")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s [rank {rank_tag}] %(levelname)s %(name)s: %(message)s")
+    # imported only now: TRITON_INTERPRET must be set first
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_run)(args)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _run(args: argparse.Namespace) -> None:
+    from tp_replayssm.distributed import distributed_session
+
+    with distributed_session(args.device, timeout_s=args.timeout) as env:
+        Engine(args, env).run()
+
+
+class Engine:
+    """One rank's engine: pool, TP layer stack, scheduler, verification and metrics."""
+
+    def __init__(self, args: argparse.Namespace, env) -> None:  # noqa: ANN001 - DistEnv
+        import torch
+        import torch.distributed as dist
+
+        from tp_replayssm import KDAHeads, ReplaySSMStatePool
+        from tp_replayssm.heads import shard_heads
+
+        self.torch, self.dist, self.args, self.env = torch, dist, args, env
+        shape = dict(SHAPES[args.shape])
+        if args.layers is not None:
+            shape["num_layers"] = args.layers
+        self.num_layers, self.hidden = shape.pop("num_layers"), shape.pop("hidden")
+        self.heads = KDAHeads(**shape)
+        self.device = env.device
+        self.act_dtype = getattr(torch, args.dtype or ("bfloat16" if env.device.type == "cuda" else "float32"))
+        self.rank, self.world = env.rank, env.world_size
+        self.shard = shard_heads(self.heads, self.world, self.rank)
+        self.last = self.world - 1  # the rank faults are injected on
+        fault = args.inject_fault if self.rank == self.last else None
+        num_slots = args.slots or 2 * args.batch
+        kw = dict(num_layers=self.num_layers, num_slots=num_slots, ring_length=args.ring_length,
+                  state_dtype=getattr(torch, args.state_dtype), cache_dtype=getattr(torch, args.cache_dtype),
+                  group=dist.group.WORLD, device=self.device)
+        if args.inject_fault == "same-device":  # every rank on cuda:0 (forgot set_device(local_rank))
+            torch.cuda.set_device(0)
+            kw["device"] = torch.device("cuda", 0)
+        fault_kw = {"pool-device": ("device", self._wrong_device()), "ring-length": ("ring_length", args.ring_length + 1),
+                    "num-slots": ("num_slots", num_slots + 1), "num-layers": ("num_layers", self.num_layers + 1),
+                    "state-dtype": ("state_dtype", torch.bfloat16 if args.state_dtype == "float32" else torch.float32),
+                    "cache-dtype": ("cache_dtype", torch.float32 if args.cache_dtype != "float32" else torch.bfloat16),
+                    "tp-rank": ("tp_rank", 0)}
+        if fault in fault_kw:
+            key, value = fault_kw[fault]
+            log.warning("injecting fault %s on rank %d: %s=%s", fault, self.rank, key, value)
+            kw[key] = value
+        t0 = time.perf_counter()
+        self.pool = ReplaySSMStatePool(self.heads, **kw)
+        self.build_s = time.perf_counter() - t0
+        if fault == "cache-device":  # a cache left behind on another device after construction
+            log.warning("injecting fault cache-device on rank %d: d_cache -> %s", self.rank, self._wrong_device())
+            self.pool.d_cache = self.pool.d_cache.to(self._wrong_device())
+        self.pool.verify_placement()  # collective: every rank
+        self.shard = self.pool.shard  # the pool's sharding rule is the one source of truth
+        self.fault = fault
+        self.corrupted = False
+        self.first_decode: list[tuple[int, float]] = []
+        self.later_decode: list[tuple[int, float]] = []
+        self._make_weights()
+        self.rows: list[Request | None] = [None] * args.batch
+        self.next_rid = 0
+        self.sched = torch.Generator().manual_seed(args.seed)  # same stream on every rank
+        self.stats = dict(tokens=0, engine_s=0.0, warm_s=0.0, warm_tokens=0, warm_bytes=0, checked_rows=0,
+                          mismatches=0, max_err=0.0, admitted=0, finished=0, steps=0)
+
+    # ---- setup ------------------------------------------------------------------------------
+
+    def _wrong_device(self):  # noqa: ANN202
+        torch = self.torch
+        if self.device.type == "cuda":
+            n = torch.cuda.device_count()
+            return torch.device("cuda", (self.device.index + 1) % n) if n > 1 else torch.device("cpu")
+        return torch.device("meta")
+
+    def _block(self, layer: int, kind: int, head: int, shape: tuple[int, ...], scale: float):  # noqa: ANN202
+        """A weight block of one head, identical on every rank that holds that head."""
+        g = self.torch.Generator().manual_seed(((self.args.seed * 1009 + layer) * 17 + kind) * 100003 + head)
+        return (self.torch.randn(*shape, generator=g) * scale)
+
+    def _make_weights(self) -> None:
+        """Per layer: column slices ``W_qkv [D, 2H_l*K + HV_l*V]``, ``W_a [D, HV_l*K]``, ``W_b [D, HV_l]``;
+        row slice ``W_o [HV_l*V, D]``; ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` (fp32)."""
+        torch, D = self.torch, self.hidden
+        h = self.heads
+        K, V = h.key_dim, h.value_dim
+        s_in, s_out = D ** -0.5, (h.num_v_heads * V) ** -0.5
+        self.layers = []
+        for l in range(self.num_layers):
+            q = [self._block(l, 0, i, (D, K), s_in) for i in self.shard.q_heads]
+            k = [self._block(l, 1, i, (D, K), s_in) for i in self.shard.q_heads]
+            v = [self._block(l, 2, i, (D, V), s_in) for i in self.shard.v_heads]
+            a = [self._block(l, 3, i, (D, K), s_in) for i in self.shard.v_heads]
+            b = [self._block(l, 4, i, (D, 1), s_in) for i in self.shard.v_heads]
+            o = [self._block(l, 5, i, (V, D), s_out) for i in self.shard.v_heads]
+            A_log = torch.cat([self._block(l, 6, i, (1,), 1.0).clamp(-1, 0.5) for i in self.shard.v_heads])
+            dt = torch.cat([self._block(l, 7, i, (K,), 1.0).clamp(-4, 0) for i in self.shard.v_heads])
+            dev, dt_ = self.device, self.act_dtype
+            self.layers.append(dict(
+                w_qkv=torch.cat(q + k + v, 1).to(dev, dt_), w_a=torch.cat(a, 1).to(dev, dt_),
+                w_b=torch.cat(b, 1).to(dev, dt_), w_o=torch.cat(o, 0).to(dev, dt_),
+                A_log=A_log.float().to(dev), dt_bias=dt.float().to(dev)))
+
+    # ---- scheduling -------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        torch, args = self.torch, self.args
+        empty = [i for i, r in enumerate(self.rows) if r is None]
+        draws = torch.rand(len(empty), generator=self.sched).tolist()
+        lens = torch.randint(args.min_len, args.max_len + 1, (len(empty),), generator=self.sched).tolist()
+        new_rows = [(i, n) for i, d, n in zip(empty, draws, lens) if d < args.arrival]
+        if not new_rows:
+            return
+        slots = self.pool.alloc(len(new_rows))
+        HV_l, V, K = self.shard.num_v_heads_local, self.heads.value_dim, self.heads.key_dim
+        for (row, n), slot in zip(new_rows, slots.tolist()):
+            self.rows[row] = Request(self.next_rid, slot, n)
+            self.next_rid += 1
+        ids = [self.rows[row].rid for row, _ in new_rows]
+        for l in range(self.num_layers):  # prefill: random states of the rank's value heads
+            g = torch.Generator().manual_seed(hash((self.args.seed, l, self.rank, tuple(ids))) & 0x7FFFFFFF)
+            states = torch.randn(len(ids), HV_l, V, K, generator=g).mul_(0.1).to(self.device)
+            self.pool.load_state(l, slots, states)
+        self.stats["admitted"] += len(new_rows)
+
+    def _finish(self) -> None:
+        done = [i for i, r in enumerate(self.rows) if r is not None and r.remaining == 0]
+        if done:
+            self.pool.free([self.rows[i].slot for i in done])
+            for i in done:
+                self.rows[i] = None
+            self.stats["finished"] += len(done)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def _step(self, step: int, check: bool) -> None:
+        torch, dist, args = self.torch, self.dist, self.args
+        B, dev = args.batch, self.device
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        slots_h = [r.slot if r is not None else -1 for r in self.rows]
+        flush_h = [1 if r is not None and r.remaining == 1 else 0 for r in self.rows]
+        sample = live[: args.check_rows] if check else []
+        before = []
+        if sample:  # the state each layer starts this step with (cursors are shared: valid for all)
+            sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=dev)
+            before = [self.pool.read_state(l, sidx) for l in range(self.num_layers)]
+        g = torch.Generator().manual_seed(args.seed * 7919 + step)
+        x = torch.randn(B, self.hidden, generator=g)
+        x[[i for i in range(B) if self.rows[i] is None]] = 0.0
+        self._sync()
+        t0 = time.perf_counter()
+        x = x.to(dev, self.act_dtype)
+        slots = torch.tensor(slots_h, dtype=torch.int32, device=dev)
+        force = torch.tensor(flush_h, dtype=torch.int32, device=dev)
+        seen = []
+        for l, w in enumerate(self.layers):
+            h = x.float()
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(self.act_dtype)
+            mixed_qkv, a, b = h @ w["w_qkv"], h @ w["w_a"], h @ w["w_b"]
+            if self.fault == "activation-device" and step == 0 and l == 0:
+                log.warning("injecting fault activation-device on rank %d: mixed_qkv -> %s", self.rank,
+                            self._wrong_device())
+                mixed_qkv = mixed_qkv.to(self._wrong_device())
+            t_dec = time.perf_counter()
+            out = self.pool.decode(l, mixed_qkv, a, b, w["A_log"], w["dt_bias"], slots, force_flush=force)
+            # host time of the call: a layer's first decode runs the collective check (layer 0's also
+            # compiles the kernel); later ones run none (the default check mode)
+            (self.first_decode if step == 0 else self.later_decode).append((l, time.perf_counter() - t_dec))
+            if args.corrupt_output and self.rank == self.last and sample and not self.corrupted:
+                out[sample[0]] += 0.5 * out[sample[0]].abs().max() + 1e-3  # as a broken kernel would
+                self.corrupted = True
+            y = out.reshape(B, -1) @ w["w_o"]  # row-parallel: partial sum of this rank's heads
+            dist.all_reduce(y)
+            x = x + y
+            if sample:
+                seen.append((mixed_qkv, a, b, out))
+        self.pool.advance(slots, force)
+        self._sync()
+        dt = time.perf_counter() - t0
+        self.stats["engine_s"] += dt
+        self.stats["tokens"] += len(live)
+        traffic = self._count_traffic(live, flush_h)
+        if step > 0 or args.steps == 1:  # step 0 compiles the kernel and runs the first-decode checks
+            self.stats["warm_s"] += dt
+            self.stats["warm_tokens"] += len(live)
+            self.stats["warm_bytes"] += traffic
+        if sample:
+            self._verify(sample, before, seen)
+        for i in live:
+            r = self.rows[i]
+            r.remaining -= 1
+            r.cursor = 0 if (flush_h[i] or r.cursor == args.ring_length - 1) else r.cursor + 1
+
+    def _count_traffic(self, live: list[int], flush_h: list[int]) -> int:
+        """Bytes the decode moves per row and layer: the checkpoint and the ``c`` valid ring entries
+        read, and either one ring entry or the checkpoint written."""
+        m = self.pool.memory
+        L = self.args.ring_length
+        entry = m.ring_per_slot_layer // L
+        total = 0
+        for i in live:
+            c = self.rows[i].cursor
+            flushed = flush_h[i] or c == L - 1
+            per_layer = m.checkpoint_per_slot_layer + c * entry + (m.checkpoint_per_slot_layer if flushed else entry)
+            total += per_layer * self.num_layers
+        return total
+
+    def _verify(self, sample: list[int], before: list, seen: list) -> None:  # noqa: ANN001
+        """Outputs and new states of the sampled rows vs the float64 PlainKDA oracle, per layer."""
+        torch = self.torch
+        from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, rel_err
+
+        loc = self.shard.local
+        n = len(sample)
+        rows = torch.tensor(sample, device=self.device)
+        sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=self.device)
+        lowp = self.act_dtype != torch.float32 or self.pool.cache_dtype != torch.float32 \
+            or self.pool.state_dtype != torch.float32
+        tol = 2e-2 if lowp else 1e-4
+        for l, (S0, (mixed_qkv, a, b, out)) in enumerate(zip(before, seen)):
+            oracle = PlainKDA(n, loc.num_q_heads, loc.num_v_heads, loc.key_dim, loc.value_dim)
+            oracle.load(list(range(n)), S0)
+            inputs = DecodeInputs(mixed_qkv[rows], a[rows], b[rows])
+            params = HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"])
+            expect = oracle.step(inputs, params, list(range(n)))
+            e_out = rel_err(out[rows, 0], expect)
+            e_state = rel_err(self.pool.read_state(l, sidx), oracle.state)
+            err = max(e_out, e_state)
+            self.stats["max_err"] = max(self.stats["max_err"], err)
+            self.stats["checked_rows"] += n
+            if not err <= tol:
+                self.stats["mismatches"] += n
+                log.error("layer %d rows %s: rel err out %.2e state %.2e > tol %.0e", l, sample, e_out, e_state, tol)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    # ---- the run ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        args, torch, dist = self.args, self.torch, self.dist
+        from tp_replayssm.placement import placement_check_stats
+
+        log.info("pool: %s; local heads H=%d HV=%d; %s", self.pool, self.shard.num_q_heads_local,
+                 self.shard.num_v_heads_local, self.pool.memory.describe())
+        t_run = time.perf_counter()
+        for step in range(args.steps):
+            self._admit()
+            check = args.check_every > 0 and step % args.check_every == 0
+            self._step(step, check)
+            self._finish()
+            self.stats["steps"] += 1
+            if self.rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+                s = self.stats
+                log.info("step %d/%d: %d live rows, admitted %d, finished %d, %.1f tok/s, max rel err %.1e",
+                         step + 1, args.steps, sum(r is not None for r in self.rows), s["admitted"],
+                         s["finished"], s["tokens"] / max(s["engine_s"], 1e-9), s["max_err"])
+        wall = time.perf_counter() - t_run
+        # steady-state cost of the collective check (every rank calls it together)
+        reps = 10
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            self.pool.verify_placement()
+        verify_us = (time.perf_counter() - t0) / reps * 1e6
+        self._summary(wall, verify_us, placement_check_stats())
+
+    def _summary(self, wall: float, verify_us: float, checks: dict) -> None:  # noqa: ANN001
+        torch, dist = self.torch, self.dist
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mine = dict(rank=self.rank, device=str(self.device), pool_bytes=self.pool.memory.total, peak=peak,
+                    mismatches=self.stats["mismatches"], checked=self.stats["checked_rows"],
+                    max_err=self.stats["max_err"], checks=checks, verify_us=verify_us)
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine)
+        bad = sum(r["mismatches"] for r in every)
+        if self.rank == 0:
+            s = self.stats
+            warm_s = max(s["warm_s"], 1e-9)
+            lines = [
+                "=" * 72,
+                f"decode summary: {self.world} ranks on {self.device.type}, shape {self.args.shape} "
+                f"(H={self.heads.num_q_heads} HV={self.heads.num_v_heads} K={self.heads.key_dim} "
+                f"V={self.heads.value_dim}, {self.num_layers} layers), batch {self.args.batch}, "
+                f"L={self.args.ring_length}, state {self.pool.state_dtype}, cache {self.pool.cache_dtype}, "
+                f"activations {self.act_dtype}",
+                f"  steps {s['steps']}, tokens {s['tokens']}, requests admitted {s['admitted']} finished "
+                f"{s['finished']}, wall {wall:.2f} s",
+                f"  throughput {s['warm_tokens'] / warm_s:.1f} tokens/s over the steps after the first "
+                f"({s['warm_tokens']} tokens in {warm_s:.3f} s; all steps: {s['engine_s']:.3f} s); achieved state "
+                f"traffic {s['warm_bytes'] / warm_s / 1e9:.3g} GB/s per rank "
+                f"({s['warm_bytes'] / 2**20:.2f} MiB of checkpoint/ring reads+writes)",
+                f"  pool build (collective check included) {self.build_s * 1e3:.1f} ms on rank 0",
+            ]
+            for r in every:
+                c = r["checks"]
+                lines.append(
+                    f"  rank {r['rank']} {r['device']}: pool {r['pool_bytes'] / 2**20:.2f} MiB, peak "
+                    f"{'allocated' if self.device.type == 'cuda' else 'RSS'} {r['peak'] / 2**20:.1f} MiB; "
+                    f"placement checks {int(c['collective'])} ({c['total_s'] * 1e3:.1f} ms total), "
+                    f"verify_placement() {r['verify_us']:.0f} us; sampled rows {r['checked']} "
+                    f"max rel err {r['max_err']:.2e}, mismatches {r['mismatches']}")
+            first = [t for l, t in self.first_decode if l > 0] or [t for _, t in self.first_decode]
+            later = [t for _, t in self.later_decode]
+            if first and later:
+                lines.append(
+                    f"  pool.decode host time on rank 0: first call of a layer (collective check) "
+                    f"{1e3 * sum(first) / len(first):.3f} ms vs later calls (no check) "
+                    f"{1e3 * sum(later) / len(later):.3f} ms")
+            lines.append("  RESULT: " + ("OK" if bad == 0 else f"{bad} sampled rows MISMATCHED"))
+            lines.append("=" * 72)
+            print("\n".join(lines), flush=True)
+        if bad:
+            raise RuntimeError(f"{bad} sampled rows mismatched the float64 reference (see the log)")
+
+
+if __name__ == "__main__":
+    if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package
+        sys.path.insert(1, os.path.dirname(sys.path[0]))
+    main()

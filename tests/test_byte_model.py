@@ -1,0 +1,197 @@
+"""The decode byte model (tp_replayssm.byte_model) against hand-counted small cases. Pure, CPU, fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from tp_replayssm.byte_model import (
+    DecodeConfig,
+    dtype_bytes,
+    floor_us,
+    packed_bytes,
+    replay_bytes,
+    replay_phase_bytes,
+)
+
+# B=2 rows, H=1 q/k head, HV=2 value heads (GQA r=2), K=4, V=2, L=4; fp32 state, bf16 ring and activations.
+SMALL = DecodeConfig(batch=2, num_q_heads=1, num_v_heads=2, key_dim=4, value_dim=2, ring_length=4,
+                     state_dtype="fp32", cache_dtype="bf16", act_dtype="bf16")
+# By hand:
+#   state [B, HV, V, K] fp32           = 2*2*2*4*4              = 128
+#   ring entry, both rows: d [HV, V] bf16 = 2*2*2 = 8, k [H, K] bf16 = 1*4*2 = 8, g [HV, K] fp32 = 2*4*4 = 32
+#                                      -> 48 per row            =  96
+#   mixed_qkv [B, 2*H*K + HV*V] bf16   = 2*(8+4)*2              =  48
+#   a [B, HV*K] bf16                   = 2*8*2                  =  32
+#   b [B, HV] bf16                     = 2*2*2                  =   8
+#   ssm_state_indices, write_pos int32 = 2*4 + 2*4              =  16
+#   -> inputs                                                   = 104
+#   A_log [HV] + dt_bias [HV*K] fp32   = 2*4 + 8*4              =  40
+#   out [B, 1, HV, V] bf16             = 2*2*2*2                =  16
+STATE, ENTRY, INPUTS, PARAMS, OUT = 128, 96, 104, 40, 16
+
+
+def test_small_pieces():
+    assert SMALL.state_total == STATE
+    assert SMALL.ring_entry_total == ENTRY
+    assert SMALL.params_in == PARAMS
+    assert SMALL.out_total == OUT
+
+
+@pytest.mark.parametrize(
+    "cursor, expected",
+    [
+        # state read + ring read (c entries) + ring write (1 entry) + inputs + params + out
+        (0, STATE + 0 * ENTRY + ENTRY + INPUTS + PARAMS + OUT),  # 384
+        (1, STATE + 1 * ENTRY + ENTRY + INPUTS + PARAMS + OUT),  # 480
+        (2, STATE + 2 * ENTRY + ENTRY + INPUTS + PARAMS + OUT),  # 576
+        # flush: state read + state write + 3 entries read, nothing appended
+        (3, STATE + STATE + 3 * ENTRY + INPUTS + PARAMS + OUT),  # 704
+    ],
+)
+def test_small_phases(cursor, expected):
+    assert replay_phase_bytes(SMALL, cursor).total == expected
+
+
+def test_small_cycle_mean():
+    r = replay_bytes(SMALL)
+    assert r.state_read == 128
+    assert r.state_write == 32  # 128 once per 4 steps
+    assert r.ring_read == 144  # (0+1+2+3)/4 = 1.5 entries of 96
+    assert r.ring_write == 72  # 3 of 4 steps append 96
+    assert r.inputs == 104 and r.params == 40 and r.outputs == 16
+    assert r.total == 536 == (384 + 480 + 576 + 704) / 4
+    assert r.total == sum(replay_phase_bytes(SMALL, c).total for c in range(4)) / 4
+
+
+def test_small_packed():
+    p = packed_bytes(SMALL)
+    # state read + write every step; q,k,v,g,beta = 48+32+8; indices 8; params 40; out 16
+    assert (p.state_read, p.state_write, p.ring_read, p.ring_write) == (128, 128, 0, 0)
+    assert p.inputs == 48 + 32 + 8 + 8
+    assert p.total == 408
+
+
+def test_ring_of_one_flushes_every_step():
+    cfg = DecodeConfig(2, 1, 2, key_dim=4, value_dim=2, ring_length=1)
+    r = replay_bytes(cfg)
+    assert r.ring_read == 0 and r.ring_write == 0
+    assert r.state_write == r.state_read == 128
+    # same as packed, plus write_pos [B] int32
+    assert r.total == packed_bytes(cfg).total + 2 * 4 == 416
+
+
+def test_force_flush_tensor_is_read():
+    cfg = DecodeConfig(2, 1, 2, key_dim=4, value_dim=2, ring_length=4, force_flush=True)
+    assert replay_bytes(cfg).total == 536 + 2 * 4
+
+
+def test_bf16_state_halves_state_terms():
+    cfg = DecodeConfig(2, 1, 2, key_dim=4, value_dim=2, ring_length=4, state_dtype="bf16")
+    r = replay_bytes(cfg)
+    assert (r.state_read, r.state_write) == (64, 16)
+    assert r.total == 536 - 64 - 16
+
+
+def test_lower_bound_does_not_change_bytes():
+    a = DecodeConfig(8, 4, 8, ring_length=8)
+    b = DecodeConfig(8, 4, 8, ring_length=8, lower_bound=-5.0)
+    assert replay_bytes(a) == replay_bytes(b)
+    assert packed_bytes(a) == packed_bytes(b)
+
+
+def test_issue_headline_shape():
+    # HV = H = 32, K = V = 128, B = 512, L = 16, fp32 state, bf16 ring and activations.
+    cfg = DecodeConfig(512, 32, 32, ring_length=16)
+    r = replay_bytes(cfg)
+    assert r.state_read == 512 * 32 * 128 * 128 * 4 == 1_073_741_824
+    assert r.state_write == 1_073_741_824 / 16
+    entry = 512 * (32 * 128 * 2 + 32 * 128 * 2 + 32 * 128 * 4)
+    assert r.ring_read == entry * 7.5 and r.ring_write == entry * 15 / 16
+    assert r.total == pytest.approx(1.30343e9, rel=1e-5)
+    # ~303 us at 4.3 TB/s; the issue's 296 us floor is this byte count at 4.40 TB/s
+    assert floor_us(r.total, 4300) == pytest.approx(303.1, abs=0.1)
+    assert floor_us(r.total, 4400) == pytest.approx(296.2, abs=0.1)
+    # packed decode moves the state twice every step
+    assert packed_bytes(cfg).total == pytest.approx(2.1685e9, rel=1e-4)
+
+
+def test_gqa_ring_keys_per_qk_head():
+    gqa = DecodeConfig(4, 16, 32)
+    mha = DecodeConfig(4, 32, 32)
+    # k ring entries are stored once per q/k head: 16 fewer K-vectors of bf16 per row
+    assert mha.ring_entry_total - gqa.ring_entry_total == 4 * 16 * 128 * 2
+    # q and k inputs shrink the same way
+    assert mha.activations_in - gqa.activations_in == 4 * 2 * 16 * 128 * 2
+
+
+def test_dtype_bytes():
+    assert dtype_bytes("fp32") == 4 and dtype_bytes("torch.bfloat16") == 2 and dtype_bytes(2) == 2
+
+    class FakeDtype:
+        itemsize = 2
+
+    assert dtype_bytes(FakeDtype()) == 2
+    with pytest.raises(ValueError):
+        dtype_bytes("complex7")
+    with pytest.raises(TypeError):
+        dtype_bytes(True)
+
+
+def test_config_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_v_heads"):
+        DecodeConfig(1, 3, 4)
+    with pytest.raises(ValueError, match="ring_length"):
+        DecodeConfig(1, 1, 1, ring_length=0)
+    with pytest.raises(ValueError, match="cursor"):
+        replay_phase_bytes(DecodeConfig(1, 1, 1, ring_length=4), 4)
+
+
+def test_floor_us():
+    assert floor_us(4.3e9, 4300) == pytest.approx(1000.0)  # 4.3 GB at 4.3 TB/s = 1 ms
+    with pytest.raises(ValueError):
+        floor_us(1, 0)
+
+
+# --- the benchmark's shape plan and CPU behaviour (imports benchmarks/bench_decode.py; no GPU) ---------
+
+
+def _bench_decode():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench_dir = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    if bench_dir not in sys.path:
+        sys.path.insert(0, bench_dir)
+    return importlib.import_module("bench_decode")
+
+
+def test_default_plan_covers_the_issue():
+    bd = _bench_decode()
+    plan = bd.build_plan(bd.parse_args([]))
+    assert len(plan) == len(set(plan))
+    assert {s.HV for s in plan if s.H == s.HV} == {32, 16, 12, 8, 4}
+    assert any(s.HV == 2 * s.H for s in plan)
+    assert {s.L for s in plan} == {8, 16}
+    assert {s.B for s in plan} == {1, 8, 32, 128, 512}
+    assert {s.state for s in plan} == {"fp32", "bf16"}
+    assert {s.lb for s in plan} == {None, -5.0}
+    for hv in (32, 8):  # full B sweep with both state dtypes at L = 16
+        for st in ("fp32", "bf16"):
+            assert {s.B for s in plan if s.HV == s.H == hv and s.state == st and s.L == 16 and s.lb is None} \
+                == {1, 8, 32, 128, 512}
+
+
+def test_grid_flags_and_dry_run(capsys):
+    bd = _bench_decode()
+    plan = bd.build_plan(bd.parse_args(["--heads", "16x32,4", "--batch", "1,8", "--lower-bound", "none,-5"]))
+    assert len(plan) == 2 * 2 * 2 * 2
+    assert bd.main(["--quick", "--dry-run"]) == 0
+    assert "HV32 B512 L16 fp32" in capsys.readouterr().out
+
+
+def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
+    bd = _bench_decode()
+    monkeypatch.setattr(bd.torch.cuda, "is_available", lambda: False)
+    assert bd.main(["--quick"]) == 2
+    assert "no CUDA device" in capsys.readouterr().out

@@ -1,0 +1,78 @@
+"""The main job, ``launch/decode.py``, run end to end under torchrun with 2 CPU/gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+LAUNCHER = REPO / "launch" / "decode.py"
+
+
+def _torchrun(*args: str, timeout: float = 150.0) -> subprocess.CompletedProcess:
+    """Run the launcher under torchrun in its own process group; on timeout kill that whole group
+    (torchrun and its workers), so a hang fails the test and leaves nothing behind."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TP_REPLAYSSM_PLACEMENT_TIMEOUT_S": "20"}
+    env.pop("TRITON_INTERPRET", None)  # the launcher must set it itself on a machine without CUDA
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(LAUNCHER), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"launcher hung (> {timeout} s):\n{out[-3000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(200)
+def test_launcher_end_to_end() -> None:
+    run = _torchrun("--steps", "4", "--batch", "3", "--ring-length", "2", "--seed", "1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "RESULT: OK" in out, out[-4000:]
+    assert re.search(r"throughput [0-9.]+ tokens/s", out) and re.search(r"state traffic [0-9.e+-]+ GB/s", out)
+    per_rank = re.findall(r"rank (\d) cpu: pool .* placement checks (\d+) .* sampled rows (\d+) max rel err "
+                          r"([0-9.e+-]+), mismatches (\d+)", out)
+    assert sorted(r[0] for r in per_rank) == ["0", "1"], out[-4000:]
+    for _, checks, rows, err, bad in per_rank:
+        assert int(checks) >= 3  # construction, verify_placement, first decode of each layer, ...
+        assert int(rows) > 0 and int(bad) == 0 and float(err) < 2e-2
+
+
+@pytest.mark.timeout(200)
+def test_launcher_detects_a_wrong_output() -> None:
+    """The verification is live: one perturbed output on rank 1 makes the job exit non-zero."""
+    run = _torchrun("--steps", "1", "--layers", "1", "--corrupt-output")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-4000:]
+    assert "sampled rows MISMATCHED" in out and "mismatched the float64 reference" in out, out[-4000:]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    ("fault", "expect"),
+    [
+        ("ring-length", "ring_length=5 (rank 0: 4)"),
+        ("cache-device", "`d_cache` on meta, expected cpu"),
+        ("activation-device", "`mixed_qkv` on meta, expected cpu"),
+    ],
+)
+def test_launcher_fault_injection(fault: str, expect: str) -> None:
+    """Every rank raises the same PlacementError naming rank 1; torchrun reports it and exits non-zero."""
+    run = _torchrun("--inject-fault", fault, timeout=100.0)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-4000:]
+    for rank in (0, 1):
+        line = re.search(rf"^\[rank{rank}\]: tp_replayssm\.placement\.PlacementError: (.*)$", out, flags=re.M)
+        assert line is not None, out[-6000:]
+        assert line.group(1).endswith("offending rank(s): 1"), line.group(1)
+    assert expect in out, out[-4000:]
+    assert "RESULT" not in out  # it never got to decode to the end

@@ -1,0 +1,604 @@
+"""ReplaySSMStatePool (SPEC section 3) against the float64 plain recurrence, on the real Helion op.
+
+On CPU the kernel runs in the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``): it
+costs ~0.1 s per (live row, value head) and a compile per distinct shape, so the kernel-running tests
+share one geometry (``SMALL``: H=1, HV=2, K=V=16, S=4, L=3, B=4) wherever they can. Tests that only
+exercise the pool's own device ops (alloc, free, advance, load/read_state, accounting, errors) do not
+run the kernel. With CUDA present the same tests run on ``cuda:0`` with the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import pytest
+import torch
+
+from tp_replayssm import KDAHeads, PoolExhaustedError, ReplaySSMStatePool, ops, placement
+from tp_replayssm.heads import all_shards, concat_outputs
+from tp_replayssm.memory import pool_memory, slots_that_fit
+from tp_replayssm.pool import DEBUG_ENV
+from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
+
+DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+KD = VD = 16
+SMALL = KDAHeads(1, 2, KD, VD)
+S, L, B = 4, 3, 4
+SENTINEL = 1e30
+CURSOR_SENTINEL = 1000
+TOL_BF16 = 2e-2  # ring entries rounded to bf16, outputs in bf16
+
+
+def make_pool(heads: KDAHeads = SMALL, **kw) -> ReplaySSMStatePool:
+    kw.setdefault("num_layers", 2)
+    kw.setdefault("num_slots", S)
+    kw.setdefault("ring_length", L)
+    kw.setdefault("device", DEV)
+    return ReplaySSMStatePool(heads, **kw)
+
+
+def i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+
+def params_for(num_v_heads: int, gen: torch.Generator | None = None):
+    return random_head_params(num_v_heads, KD, device=DEV, generator=gen)
+
+
+def small_inputs(gen: torch.Generator | None = None, device: torch.device | str = DEV):
+    """fp32 activations for ``SMALL`` (every kernel test uses fp32: one compiled kernel per dtype)."""
+    return random_decode_inputs(B, 1, 2, KD, VD, dtype=torch.float32, device=device, generator=gen)
+
+
+def pool_tensors(pool: ReplaySSMStatePool) -> dict[str, torch.Tensor]:
+    return {"checkpoint": pool.checkpoint, "d_cache": pool.d_cache, "k_cache": pool.k_cache, "g_cache": pool.g_cache}
+
+
+def snapshot_slots(pool: ReplaySSMStatePool, slots: list[int]) -> dict[str, torch.Tensor]:
+    idx = torch.tensor(slots, dtype=torch.long, device=DEV)
+    snap = {name: t[:, idx].clone() for name, t in pool_tensors(pool).items()}
+    snap["cursors"] = pool.cursors[idx].clone()
+    return snap
+
+
+def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> None:
+    for name in before:
+        assert torch.equal(before[name].view(torch.uint8), after[name].view(torch.uint8)), name
+
+
+# ---- the main scenario: many steps, several layers, churn, flushes, load_state, sentinels ---------
+
+def test_pool_matches_plain_kda_over_ring_cycles_with_churn():
+    """Two layers, >= 2 full ring cycles, padding rows, forced flushes, free + re-alloc mid-stream
+    (of a never-used sentinel-filled slot and of a used one), load_state mid-ring on one layer, and
+    read_state equal to the oracle at every cursor; unallocated slots stay bit-identical."""
+    NL = 2
+    pool = make_pool(num_layers=NL)
+    gen = torch.Generator().manual_seed(1234)
+    rng = random.Random(99)
+    params = [params_for(SMALL.num_v_heads, gen) for _ in range(NL)]
+    scales = [None, 0.3]  # layer 1 with an explicit scale
+    oracles = [PlainKDA(S, 1, 2, KD, VD) for _ in range(NL)]
+
+    live = pool.alloc(3).tolist()
+    unalloc = sorted(set(range(S)) - set(live))
+    idx = torch.tensor(unalloc, dtype=torch.long, device=DEV)
+    for t in pool_tensors(pool).values():
+        t[:, idx] = SENTINEL
+    pool.cursors[idx] = CURSOR_SENTINEL
+    frozen = snapshot_slots(pool, unalloc)
+    cursor_model = {s: 0 for s in live}
+    ever_live = set(live)
+    reused = []  # re-allocated slots that had held a request before
+
+    n_steps = 3 * L  # three full ring cycles
+    for step in range(n_steps):
+        if step in (3, 5):  # churn: a request finishes, a new one takes a slot
+            gone = live.pop(rng.randrange(len(live)))
+            pool.free([gone])
+            was_used = set(pool.allocated_slots())
+            new = pool.alloc(1).tolist()[0]
+            assert new not in was_used
+            if new in ever_live:
+                reused.append(new)
+            ever_live.add(new)
+            unalloc = sorted((set(unalloc) | {gone}) - {new})
+            frozen = snapshot_slots(pool, unalloc)  # the freed slot's stale content must stay untouched
+            live.append(new)
+            cursor_model.pop(gone)
+            cursor_model[new] = 0
+            for o in oracles:
+                o.reset([new])
+            assert int(pool.cursors[new]) == 0
+            for layer in range(NL):  # a re-allocated slot starts from zero, whatever it held
+                assert torch.count_nonzero(pool.read_state(layer, i32([new]))) == 0
+                assert torch.count_nonzero(pool.checkpoint[layer, new]) == 0
+        if step == 7:  # prefill-style load on layer 1 only, mid-ring: other layer and cursors untouched
+            target = max(live, key=lambda s: cursor_model[s])
+            assert cursor_model[target] > 0
+            states = (torch.randn(1, 2, VD, KD, generator=gen) * 0.5).to(DEV)
+            other_before = pool.read_state(0, i32([target]))
+            cursors_before = pool.cursors.clone()
+            pool.load_state(1, i32([target]), states)
+            oracles[1].load([target], states)
+            assert torch.equal(pool.read_state(1, i32([target])), states)
+            assert torch.equal(pool.read_state(0, i32([target])), other_before)
+            assert torch.equal(pool.cursors, cursors_before)
+
+        rows = live + [-1] * (B - len(live))
+        rng.shuffle(rows)
+        slots = i32(rows)
+        flush_rows = [1 if (step in (1, 4) and r == rows.index(max(live))) else 0 for r in range(B)]
+        flush_rows[rows.index(-1)] = 1  # a padding row asking for a flush is ignored
+        force = i32(flush_rows)
+        for layer in range(NL):
+            inp = small_inputs(gen)
+            out = torch.full((B, 1, 2, VD), float("nan"), device=DEV)
+            got = pool.decode(layer, inp.mixed_qkv, inp.a, inp.b, params[layer].A_log, params[layer].dt_bias, slots,
+                              scale=scales[layer], force_flush=force, out=out)
+            assert got is out
+            want = oracles[layer].step(inp, params[layer], slots, scale=scales[layer])
+            real = slots >= 0
+            assert rel_err(out[real, 0], want[real.cpu()]) < TOL_BF16, (step, layer)
+            assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding rows exactly zero
+        pool.advance(slots, force)
+        for s, f in zip(rows, flush_rows):
+            if s >= 0:
+                cursor_model[s] = 0 if (f or cursor_model[s] == L - 1) else cursor_model[s] + 1
+        assert {s: int(pool.cursors[s]) for s in live} == cursor_model, step
+        live_t = i32(live)
+        for layer in range(NL):
+            assert rel_err(pool.read_state(layer, live_t), oracles[layer].state[live]) < TOL_BF16
+        assert_bit_identical(frozen, snapshot_slots(pool, unalloc))
+    assert reused  # the churn handed a used slot out again (and it started from zero)
+
+
+def test_ring_length_one_flushes_every_step():
+    """L = 1: every step folds into the (fp32) checkpoint; tight match with the oracle."""
+    pool = make_pool(num_layers=1, ring_length=1, cache_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    p = params_for(2, gen)
+    oracle = PlainKDA(S, 1, 2, KD, VD)
+    live = pool.alloc(2).tolist()
+    slots = i32([live[0], -1, live[1], -1])
+    for _ in range(3):
+        inp = random_decode_inputs(B, 1, 2, KD, VD, dtype=torch.float32, generator=gen)
+        out = pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
+        assert out.shape == (B, 1, 2, VD) and out.dtype == torch.float32 and out.device == DEV
+        want = oracle.step(inp, p, slots)
+        assert rel_err(out[:, 0], want) < 1e-5
+        pool.advance(slots)
+        assert pool.cursors[:S].tolist() == [0] * S
+        assert rel_err(pool.checkpoint[0, live], oracle.state[live]) < 1e-5
+
+
+# ---- tensor parallel: every rank's pool in one process ------------------------------------------
+
+def _run_sharded(heads: KDAHeads, tp: int, ring_length: int, n_steps: int, rows: list[int], flush_at: dict[int, int]):
+    gen = torch.Generator().manual_seed(heads.num_q_heads * 31 + heads.num_v_heads * 7 + tp)
+    p = params_for(heads.num_v_heads, gen)
+    single = make_pool(heads, num_layers=1, ring_length=ring_length)
+    ranks = [make_pool(heads, num_layers=1, ring_length=ring_length, tp_rank=t, tp_size=tp) for t in range(tp)]
+    ids = [single.alloc(3).tolist()] + [r.alloc(3).tolist() for r in ranks]
+    assert all(i == ids[0] for i in ids)  # same allocation order on every rank
+    slots = i32([ids[0][r] if r >= 0 else -1 for r in rows])
+    for step in range(n_steps):
+        inp = random_decode_inputs(len(rows), heads.num_q_heads, heads.num_v_heads, KD, VD, dtype=torch.float32,
+                                   device=DEV, generator=gen)
+        force = i32([1 if flush_at.get(step) == b else 0 for b in range(len(rows))])
+        want = single.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots, force_flush=force)
+        outs = []
+        for pool in ranks:
+            sh = pool.shard
+            outs.append(pool.decode(0, sh.slice_mixed_qkv(inp.mixed_qkv), sh.slice_a(inp.a), sh.slice_b(inp.b),
+                                    sh.slice_A_log(p.A_log), sh.slice_dt_bias(p.dt_bias), slots, force_flush=force))
+            assert outs[-1].shape == (len(rows), 1, heads.num_v_heads // tp, VD)
+        assert torch.equal(concat_outputs(outs), want), step  # exactly the single-rank result
+        for pool in [single, *ranks]:
+            pool.advance(slots, force)
+        assert all(torch.equal(r.cursors, single.cursors) for r in ranks)
+        live = slots[slots >= 0]
+        full = single.read_state(0, live)
+        assert torch.equal(concat_outputs([r.read_state(0, live) for r in ranks], dim=1), full), step
+        for pool in ranks:  # each rank's state is the slice of the single-rank one
+            assert torch.equal(pool.read_state(0, live), pool.shard.slice_state(full)), step
+
+
+def test_sharded_h_equals_hv_matches_single_rank():
+    heads = KDAHeads(2, 2, KD, VD)
+    _run_sharded(heads, tp=2, ring_length=4, n_steps=5, rows=[0, -1, 1, 2], flush_at={1: 2})
+
+
+def test_sharded_fewer_qk_heads_than_ranks_matches_single_rank():
+    heads = KDAHeads(2, 8, KD, VD)  # H=2 < tp=4: each q/k head replicated on two ranks
+    assert [s.q_head_start for s in all_shards(heads, 4)] == [0, 0, 1, 1]
+    _run_sharded(heads, tp=4, ring_length=L, n_steps=3, rows=[1, -1, 0, -1], flush_at={0: 0})
+
+
+# ---- wiring: the op, the cursors and the placement checks --------------------------------------
+
+def test_decode_calls_the_op_with_layer_views_and_cursors(monkeypatch):
+    pool = make_pool(num_layers=3)
+    live = pool.alloc(3)
+    pool.cursors[live.long()] = i32([2, 0, 1])
+    seen = {}
+    real = ops.replayssm_decode
+
+    def spy(*args, **kwargs):
+        seen["args"], seen["kwargs"] = args, kwargs
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "replayssm_decode", spy)
+    gen = torch.Generator().manual_seed(3)
+    p = params_for(2, gen)
+    inp = small_inputs(gen)
+    slots = i32([int(live[1]), -1, int(live[0]), int(live[2])])
+    ckpt_before = pool.checkpoint.clone()
+    out = pool.decode(2, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
+    a = seen["args"]
+    for got, whole in zip(a[6:10], (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache)):
+        assert got.data_ptr() == whole[2].data_ptr() and got.shape == whole.shape[1:]
+    assert a[10] is out and a[11] is slots
+    assert a[12].tolist()[0] == 0 and a[12].tolist()[2:] == [2, 1]  # write_pos = the rows' cursors
+    assert seen["kwargs"]["use_qk_l2norm_in_kernel"] is True
+    assert out.dtype == inp.mixed_qkv.dtype
+    # live[0] was at cursor L-1: only it flushed, into layer 2's checkpoint
+    changed = (pool.checkpoint != ckpt_before).flatten(2).any(-1)
+    assert changed.nonzero().tolist() == [[2, int(live[0])]]
+    assert pool.cursors[live.long()].tolist() == [2, 0, 1]  # decode never moves cursors
+
+
+def test_placement_checked_at_build_first_decode_per_layer_and_verify(monkeypatch):
+    calls = []
+    real = placement.collective_placement_check
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(placement, "collective_placement_check", spy)
+    pool = make_pool(num_layers=2)
+    assert len(calls) == 1
+    assert {"checkpoint", "d_cache", "k_cache", "g_cache", "cursors"} <= set(calls[0]["tensors"])
+    assert calls[0]["group"] is None and calls[0]["require_current_device"] is False
+    assert calls[0]["expected_device"] == pool.device and calls[0]["fingerprint"] == pool.fingerprint
+    assert pool.fingerprint.num_slots == S and pool.fingerprint.tp_size == 1
+    gen = torch.Generator().manual_seed(0)
+    p = params_for(2, gen)
+    inp = small_inputs(gen)
+    slots = i32([-1, -1, -1, -1])  # padding only: cheap
+    for layer in (0, 0, 1, 1, 0):
+        pool.decode(layer, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
+    assert len(calls) == 3  # once per layer
+    names = set(calls[1]["tensors"])
+    assert {"mixed_qkv", "a", "b", "A_log", "dt_bias", "slots", "out", "checkpoint", "d_cache"} <= names
+    pool.verify_placement()
+    assert len(calls) == 4 and "verify_placement" in calls[3]["context"]
+
+
+def test_placement_error_on_first_decode_with_inputs_elsewhere():
+    pool = make_pool(num_layers=1)
+    p = params_for(2)
+    inp = small_inputs(device="meta")
+    with pytest.raises(placement.PlacementError, match="mixed_qkv"):
+        pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, i32([-1] * B))
+
+
+# ---- the pool's own device ops (no kernel) --------------------------------------------------------
+
+def test_alloc_zeroes_and_free_list():
+    pool = make_pool()
+    for t in pool_tensors(pool).values():
+        t.fill_(SENTINEL)
+    pool.cursors.fill_(CURSOR_SENTINEL)
+    ids = pool.alloc(3)
+    assert ids.dtype == torch.int32 and ids.device == pool.device and len(set(ids.tolist())) == 3
+    for t in pool_tensors(pool).values():
+        assert torch.count_nonzero(t[:, ids.long()]) == 0
+    assert pool.cursors[ids.long()].tolist() == [0, 0, 0]
+    rest = sorted(set(range(S)) - set(ids.tolist()))
+    assert (pool.checkpoint[:, rest] == SENTINEL).all()  # other slots untouched
+    assert pool.num_free == S - 3 and pool.num_allocated == 3
+    assert pool.alloc(0).shape == (0,)
+    with pytest.raises(PoolExhaustedError) as exc:
+        pool.alloc(S - 2)
+    assert all(str(v) in str(exc.value) for v in (S - 2, S - 3, S))
+    assert pool.num_free == S - 3  # nothing allocated
+    pool.free(ids[:2])
+    pool.free([int(ids[2])])
+    assert pool.num_free == S and sorted(pool.alloc(S).tolist()) == list(range(S))
+
+
+@pytest.mark.parametrize("bad", [[0, 0], [S], [-1], [1, 2], [0, 5], "0"])
+def test_free_rejects_and_frees_nothing(bad):
+    pool = make_pool()
+    pool.alloc(1)  # slot 0
+    with pytest.raises(ValueError):
+        pool.free(bad)
+    assert pool.allocated_slots() == [0]
+    pool.free([0])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free([0])
+
+
+def test_free_rejects_bad_id_containers():
+    pool = make_pool()
+    pool.alloc(2)
+    for bad in (torch.tensor([0.0]), torch.zeros(1, 1, dtype=torch.int32), [0, 1.0], None, torch.tensor([True])):
+        with pytest.raises(ValueError, match="slots"):
+            pool.free(bad)
+    assert pool.allocated_slots() == [0, 1]
+    pool.free(torch.tensor(1))  # a 0-D tensor or a plain int is one id
+    pool.free(0)
+    assert pool.num_allocated == 0
+
+
+@pytest.mark.parametrize("n", [-1, 1.5, True, None])
+def test_alloc_rejects_bad_n(n):
+    with pytest.raises(ValueError, match="`n`"):
+        make_pool().alloc(n)
+
+
+def test_advance_matches_cursor_model():
+    pool = make_pool(num_slots=6, ring_length=4)
+    live = pool.alloc(6).tolist()
+    rng = random.Random(0)
+    for _ in range(30):
+        start = [rng.randrange(4) for _ in range(6)]
+        pool.cursors[:6] = i32(start)
+        rows = [rng.choice(live + [-1, -3]) for _ in range(rng.randrange(1, 9))]
+        flags = [rng.choice([0, 0, 1, 7]) for _ in rows]
+        use_flags = rng.random() < 0.7
+        pool.advance(i32(rows), i32(flags) if use_flags else None)
+        expected = list(start)
+        for s in set(r for r in rows if r >= 0):
+            flushed = start[s] == 3 or (use_flags and any(f for r, f in zip(rows, flags) if r == s))
+            expected[s] = 0 if flushed else start[s] + 1
+        assert pool.cursors[:6].tolist() == expected
+
+
+def test_load_state_and_read_state():
+    pool = make_pool(num_layers=2, state_dtype=torch.bfloat16)
+    ids = pool.alloc(3)
+    gen = torch.Generator().manual_seed(4)
+    for t in (pool.d_cache, pool.k_cache, pool.g_cache):
+        t.copy_(torch.randn(t.shape, generator=gen) * 0.3)  # copy_ moves it to the pool's device
+    pool.checkpoint.copy_(torch.randn(pool.checkpoint.shape, generator=gen))
+    pool.cursors[ids.long()] = i32([0, 1, 2])
+    # read_state = checkpoint + replayed ring of that layer, from an independent float64 recurrence
+    for layer in range(2):
+        got = pool.read_state(layer, ids)
+        assert got.dtype == torch.float32 and got.shape == (3, 2, VD, KD)
+        for n, s in enumerate(ids.tolist()):
+            c = int(pool.cursors[s])
+            Sx = pool.checkpoint[layer, s].double()
+            for j in range(c):
+                g = pool.g_cache[layer, s, :, j].double()  # [HV, K]
+                k = pool.k_cache[layer, s, 0, j].double()  # H = 1
+                d = pool.d_cache[layer, s, :, j].double()  # [HV, V]
+                Sx = Sx * g.exp()[:, None, :] + d[:, :, None] * k[None, None, :]
+            torch.testing.assert_close(got[n].double(), Sx, rtol=1e-5, atol=1e-5)
+    before = {k: v.clone() for k, v in {**pool_tensors(pool), "cursors": pool.cursors}.items()}
+    pool.read_state(0, ids)
+    assert all(torch.equal(before[k], v) for k, v in {**pool_tensors(pool), "cursors": pool.cursors}.items())
+
+    states = torch.randn(2, 2, VD, KD, generator=gen).to(DEV)
+    target = ids[1:]
+    layer0 = pool.read_state(0, ids)
+    untouched = pool.read_state(1, ids[:1])
+    pool.load_state(1, target, states)
+    torch.testing.assert_close(pool.read_state(1, target), states.bfloat16().float(), rtol=0, atol=0)
+    assert torch.equal(pool.read_state(0, ids), layer0)  # other layer keeps its ring
+    assert torch.equal(pool.cursors, before["cursors"])  # shared cursor untouched
+    assert torch.equal(pool.read_state(1, ids[:1]), untouched)  # other slots of the layer untouched
+
+
+# ---- memory accounting ---------------------------------------------------------------------------
+
+def test_memory_accounting_matches_tensors(caplog):
+    heads = KDAHeads(2, 8, KD, 32)
+    with caplog.at_level(logging.INFO, logger="tp_replayssm.pool"):
+        pool = make_pool(heads, num_layers=3, num_slots=5, ring_length=4, tp_rank=1, tp_size=2,
+                         state_dtype=torch.bfloat16)
+    mem = pool.memory
+    tensors = {**pool_tensors(pool), "cursors": pool.cursors}
+    assert mem.total == sum(t.numel() * t.element_size() for t in tensors.values())
+    one = {name: t[0, 0] for name, t in pool_tensors(pool).items()}
+    nbytes = {name: t.numel() * t.element_size() for name, t in one.items()}
+    assert mem.checkpoint_per_slot_layer == nbytes["checkpoint"]
+    assert mem.d_ring_per_slot_layer == nbytes["d_cache"]
+    assert mem.k_ring_per_slot_layer == nbytes["k_cache"]
+    assert mem.g_ring_per_slot_layer == nbytes["g_cache"]
+    assert mem.per_layer == sum(t[0].numel() * t.element_size() for t in pool_tensors(pool).values())
+    assert mem.per_slot == 3 * sum(nbytes.values()) + pool.cursors.element_size()
+    assert any("ReplaySSMStatePool" in r.getMessage() for r in caplog.records)
+    assert any(f"per slot {mem.per_slot} B" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_slots_that_fit(tp):
+    heads = KDAHeads(2, 8, 64, 64)
+    cfg = dict(tp_size=tp, num_layers=4, ring_length=8, state_dtype=torch.float32, cache_dtype=torch.bfloat16)
+    for budget in (0, 100, 10**6, 3 * 2**30, pool_memory(heads, num_slots=37, **cfg).total):
+        n = slots_that_fit(heads, budget_bytes=budget, **cfg)
+        assert n >= 0
+        if n:
+            assert pool_memory(heads, num_slots=n, **cfg).total <= budget
+        assert pool_memory(heads, num_slots=n + 1, **cfg).total > budget
+    assert slots_that_fit(heads, budget_bytes=pool_memory(heads, num_slots=37, **cfg).total, **cfg) == 37
+    for bad in (dict(budget_bytes=-1), dict(budget_bytes=1.5), dict(num_layers=0), dict(ring_length=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            slots_that_fit(heads, **{**cfg, "budget_bytes": 10**6, **bad})
+    with pytest.raises(ValueError, match="tp=3"):
+        slots_that_fit(heads, **{**cfg, "tp_size": 3}, budget_bytes=10**6)
+    with pytest.raises(ValueError, match="checkpoint_per_slot_layer"):
+        dataclasses.replace(pool_memory(heads, num_slots=1, **cfg), checkpoint_per_slot_layer=-1)
+
+
+# ---- bad input and debug mode --------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(heads=(1, 2, 16, 16)), "heads"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(num_slots=-1), "num_slots"),
+        (dict(ring_length=0), "ring_length"),
+        (dict(ring_length=2.0), "ring_length"),
+        (dict(state_dtype=torch.float16), "state_dtype"),
+        (dict(cache_dtype=torch.int8), "cache_dtype"),
+        (dict(tp_size=3), "tp=3"),
+        (dict(tp_size=2, tp_rank=2), "tp_rank"),
+        (dict(heads=KDAHeads(3, 6, 16, 16), tp_size=2, tp_rank=0), "H=3"),
+    ],
+)
+def test_constructor_rejects_bad_config(kw, needle):
+    heads = kw.pop("heads", SMALL)
+    with pytest.raises(ValueError, match=needle):
+        make_pool(heads, **kw)
+
+
+def test_decode_and_state_calls_reject_bad_input():
+    pool = make_pool(num_layers=2)
+    ids = pool.alloc(2)
+    p = params_for(2)
+    inp = small_inputs()
+    pad = i32([-1] * B)
+    args = (inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias)
+    for layer in (-1, 2, True, 0.0, None):
+        with pytest.raises(ValueError, match="layer"):
+            pool.decode(layer, *args, pad)
+        with pytest.raises(ValueError, match="layer"):
+            pool.read_state(layer, ids)
+        with pytest.raises(ValueError, match="layer"):
+            pool.load_state(layer, ids, torch.zeros(2, 2, VD, KD, device=DEV))
+    for bad in (pad.long(), pad[None], [-1] * B):
+        with pytest.raises(ValueError, match="slots"):
+            pool.decode(0, *args, bad)
+        with pytest.raises(ValueError, match="slots"):
+            pool.advance(bad)
+    with pytest.raises(ValueError, match="mixed_qkv"):  # the op's own check passes through
+        pool.decode(0, inp.mixed_qkv[:, :-1], *args[1:], pad)
+    with pytest.raises(ValueError, match="out"):
+        pool.decode(0, *args, pad, out=torch.empty(B, 1, 2, VD, dtype=torch.float16, device=DEV))
+    for ff in (pad.long(), i32([0] * (B - 1)), [0] * B):
+        with pytest.raises(ValueError, match="force_flush"):
+            pool.advance(pad, ff)
+    for states, needle in [(torch.zeros(2, 2, KD, VD + 1), r"\[n, HV_l, V, K\]"),
+                           (torch.zeros(1, 2, VD, KD), "shape"),
+                           (torch.zeros(2, 2, VD, KD, dtype=torch.int32), "dtype"),
+                           (torch.zeros(2, 2, VD, KD, device="meta"), "meta"),
+                           (None, "states")]:
+        with pytest.raises(ValueError, match=needle):
+            pool.load_state(0, ids, states)
+    with pytest.raises(ValueError, match="slots"):
+        pool.read_state(0, ids.float())
+    with pytest.raises(ValueError, match="slots"):
+        pool.load_state(0, ids.to("meta"), torch.zeros(2, 2, VD, KD, device=DEV))
+
+
+def test_debug_mode_checks(monkeypatch):
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    assert make_pool().debug is False
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    pool = make_pool(num_layers=1)
+    assert pool.debug is True
+    assert make_pool(debug=False).debug is False
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the op must not run when a debug check fails")
+
+    monkeypatch.setattr(ops, "replayssm_decode", forbidden)
+    ids = pool.alloc(2).tolist()
+    p = params_for(2)
+    inp = small_inputs()
+    args = (inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias)
+    free_slot = (set(range(S)) - set(ids)).pop()
+    for rows, needle in [([ids[0], free_slot, -1, -1], "not allocated"), ([ids[0], S, -1, -1], "out of range"),
+                         ([ids[0], ids[0], -1, -1], "more than once")]:
+        with pytest.raises(ValueError, match=needle):
+            pool.decode(0, *args, i32(rows))
+    pool.cursors[ids[1]] = L
+    with pytest.raises(ValueError, match="cursors"):
+        pool.decode(0, *args, i32([ids[1], -1, -1, -1]))
+    with pytest.raises(ValueError, match="cursors"):
+        pool.advance(i32([ids[1]]))
+    pool.cursors[ids[1]] = 0
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.advance(i32([free_slot]))
+    pool.advance(i32([ids[0], ids[0], -1]))  # duplicates are fine in advance
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.read_state(0, i32([free_slot]))
+    with pytest.raises(ValueError, match="more than once"):
+        pool.load_state(0, i32([ids[0], ids[0]]), torch.zeros(2, 2, VD, KD, device=DEV))
+
+
+# ---- CUDA graphs (issue 3 item 6; run on the GPU) --------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_step_matches_eager_bitwise():
+    """Capture one full model step (every layer's decode + advance) for a fixed batch, replay it over
+    more than one full ring cycle with fresh inputs each step, and match eager execution bitwise."""
+    heads, NL, ring, Bg = KDAHeads(2, 8, 128, 128), 3, 4, 6
+    dev = torch.device("cuda", torch.cuda.current_device())
+    pools = [ReplaySSMStatePool(heads, num_layers=NL, num_slots=8, ring_length=ring, device=dev, debug=False)
+             for _ in range(2)]
+    ids = [pool.alloc(5) for pool in pools]
+    assert torch.equal(ids[0], ids[1])
+    rows = ids[0].tolist()
+    slots = torch.tensor([rows[0], -1, rows[1], rows[2], rows[3], rows[4]], dtype=torch.int32, device=dev)
+    gen = torch.Generator().manual_seed(0)
+    params = [random_head_params(8, 128, device=dev, generator=gen) for _ in range(NL)]
+    n_steps = 2 * ring + 2
+    steps = []
+    for i in range(n_steps + 1):
+        layer_inputs = [random_decode_inputs(Bg, 2, 8, 128, 128, device=dev, generator=gen) for _ in range(NL)]
+        flags = torch.tensor([1 if (i % 3 == 1 and b == 2) else 0 for b in range(Bg)], dtype=torch.int32, device=dev)
+        steps.append((layer_inputs, flags))
+
+    static_in = [random_decode_inputs(Bg, 2, 8, 128, 128, device=dev) for _ in range(NL)]
+    static_flags = torch.zeros(Bg, dtype=torch.int32, device=dev)
+    static_out = [torch.empty(Bg, 1, 8, 128, dtype=torch.bfloat16, device=dev) for _ in range(NL)]
+
+    def load(i):
+        for layer in range(NL):
+            for dst, src in zip((static_in[layer].mixed_qkv, static_in[layer].a, static_in[layer].b),
+                                (steps[i][0][layer].mixed_qkv, steps[i][0][layer].a, steps[i][0][layer].b)):
+                dst.copy_(src)
+        static_flags.copy_(steps[i][1])
+
+    def model_step(pool, inputs, flags, outs):
+        for layer in range(NL):
+            pool.decode(layer, inputs[layer].mixed_qkv, inputs[layer].a, inputs[layer].b, params[layer].A_log,
+                        params[layer].dt_bias, slots, force_flush=flags, out=outs[layer])
+        pool.advance(slots, flags)
+
+    eager_outs = [torch.empty_like(o) for o in static_out]
+    # step 0 eagerly on both pools (compiles the kernel, runs the first-decode placement checks),
+    # on a side stream as torch recommends before capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        load(0)
+        model_step(pools[0], static_in, static_flags, static_out)
+        model_step(pools[1], steps[0][0], steps[0][1], eager_outs)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        model_step(pools[0], static_in, static_flags, static_out)
+    for i in range(1, n_steps + 1):
+        load(i)
+        graph.replay()
+        model_step(pools[1], steps[i][0], steps[i][1], eager_outs)
+        torch.cuda.synchronize()
+        for layer in range(NL):
+            assert torch.equal(static_out[layer], eager_outs[layer]), (i, layer)
+        assert torch.equal(pools[0].cursors, pools[1].cursors), i
+    assert n_steps > ring  # more than one full ring cycle
+    for name in ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors"):
+        assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), name
