@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     rank_tag = os.environ.get("RANK", "?")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank_tag}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("helion").setLevel(logging.WARNING)  # its INFO lines name generated-code files
     # imported only now: TRITON_INTERPRET must be set first
     from torch.distributed.elastic.multiprocessing.errors import record
 

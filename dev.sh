@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run any command inside the project's virtual environment, creating it first if needed.
+#   ./dev.sh torchrun --standalone --nproc-per-node 2 launch/decode.py
+#   ./dev.sh python -m pytest -q
+# Set-up (once, and again whenever pyproject.toml changes): .venv with the CPU build of
+# torch 2.13.0 installed first (so nothing pulls a multi-GB CUDA build), then the project with its
+# test extra (helion 1.5.0, triton, pytest, hypothesis). Python 3.11 is all it needs.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+venv="${TP_REPLAYSSM_VENV:-$root/.venv}"
+stamp="$venv/.tp_replayssm-installed"
+want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "dev.sh: setting up $venv" >&2
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q torch==2.13.0
+  "$venv/bin/python" -m pip install -q -e "$root[test]"
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"
+cd "$root"
+exec "$@"
