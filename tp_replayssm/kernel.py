@@ -14,8 +14,9 @@ Two launches per decode call, one program per (row ``b``, q/k head ``h``, value 
   ``Snew = S0*exp(tot+g) + D^T @ (kdec*exp(g)) + delta (outer) k`` into the checkpoint.
 
 Keeping the flush (a ``[Vt, Lb] @ [Lb, K]`` product and a second live ``[Vt, K]`` tile) out of the
-step kernel keeps the step kernel's registers low, so enough programs stay resident per SM to
-stream the checkpoint at full bandwidth; the flush costs one extra checkpoint read per ring cycle.
+step kernel keeps those registers out of the every-step path; the flush costs one extra checkpoint
+read per ring cycle and a launch over the full grid every step (see benchmarks/RESULTS.md for what
+that costs and what is left to gain).
 
 Addressing. Slots come from ``ssm_state_indices`` at run time, so caches are indexed by element
 offsets: the wrapper passes each cache as an overlapping "row" view ``[span, last]`` with strides
@@ -199,7 +200,8 @@ def replayssm_flush_kernel(
 
 
 # The two small products (gate suffix sums, ring replay on flush) run on tensor cores as three tf32
-# products (``tf32x3``, fp32-level accuracy); ``ieee`` (FMA) needs far more registers.
+# products (``tf32x3``, fp32-level accuracy): faster on the H200 than ``ieee`` FMA products
+# (benchmarks/RESULTS.md). TP_REPLAYSSM_DOT_PRECISION=ieee selects the FMA path.
 DOT_PRECISION = os.environ.get("TP_REPLAYSSM_DOT_PRECISION", "tf32x3")
 _SETTINGS = dict(static_shapes=True, dot_precision=DOT_PRECISION, index_dtype=torch.int64)
 
@@ -215,11 +217,25 @@ def _key(config: helion.Config) -> tuple[tuple[str, object], ...]:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.config.items()))
 
 
+# hot-path cache by config object identity (the pinned configs are module constants); the config is
+# kept in the value so its id cannot be reused by another object
+_BY_CONFIG: dict[tuple[str, int], tuple[helion.Config, helion.Kernel]] = {}
+
+
+def _kernel_for(which: str, config: helion.Config) -> helion.Kernel:
+    hit = _BY_CONFIG.get((which, id(config)))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    kern = _compiled(which, _key(config))
+    _BY_CONFIG[(which, id(config))] = (config, kern)
+    return kern
+
+
 def step_kernel_for(config: helion.Config) -> helion.Kernel:
     """The step kernel pinned to ``config`` (one compiled kernel object per distinct config)."""
-    return _compiled("step", _key(config))
+    return _kernel_for("step", config)
 
 
 def flush_kernel_for(config: helion.Config) -> helion.Kernel:
     """The flush kernel pinned to ``config``."""
-    return _compiled("flush", _key(config))
+    return _kernel_for("flush", config)

@@ -1,8 +1,8 @@
 """``replayssm_decode``: the Helion ReplaySSM decode op (SPEC section 1, fixed signature).
 
 Validates every argument (``ValueError`` before anything is written), builds the kernel's views
-without copying any cache, and launches :func:`tp_replayssm.kernel.replayssm_decode_kernel` on the
-inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
+without copying any cache, and launches the step and flush kernels of :mod:`tp_replayssm.kernel` on
+the inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
 without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
 """
 
@@ -13,7 +13,10 @@ import os
 
 import torch
 
+from . import kernel as _kernel
+from ._interpreter import install_libdevice_shim
 from ._validation import DecodeDims, resolve_scale, validate_decode_inputs
+from .configs import select_config
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -97,11 +100,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
            use_l2norm: bool, lower_bound: float | None) -> None:
-    """Launch the kernel on already-validated inputs (the pool's hot path calls this directly)."""
-    from . import kernel as _kernel
-    from ._interpreter import install_libdevice_shim
-    from .configs import select_config
-
+    """Launch both kernels on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
     install_libdevice_shim()
 
     B, H, HV, K, V, L = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
