@@ -15,12 +15,12 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "launch" / "decode.py"
 
 
-def _torchrun(*args: str, timeout: float = 150.0) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, timeout: float = 150.0, script: Path = LAUNCHER) -> subprocess.CompletedProcess:
     """Run the launcher under torchrun in its own process group; on timeout kill that whole group
     (torchrun and its workers), so a hang fails the test and leaves nothing behind."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TP_REPLAYSSM_PLACEMENT_TIMEOUT_S": "20"}
     env.pop("TRITON_INTERPRET", None)  # the launcher must set it itself on a machine without CUDA
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(LAUNCHER), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -76,3 +76,17 @@ def test_launcher_fault_injection(fault: str, expect: str) -> None:
         assert line.group(1).endswith("offending rank(s): 1"), line.group(1)
     assert expect in out, out[-4000:]
     assert "RESULT" not in out  # it never got to decode to the end
+
+
+@pytest.mark.timeout(200)
+def test_placement_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_placement.py (the README's check-cost numbers) runs and reports every rank."""
+    import json
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    run = _torchrun("--reps", "5", script=REPO / "benchmarks" / "bench_placement.py")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    ranks = json.loads((tmp_path / "bench_placement.json").read_text())
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["backend"] == "gloo" and r["check_us"] > 0 and r["host_first_us"] > r["host_later_us"] > 0
