@@ -345,7 +345,7 @@ class Engine:
     # ---- the run ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        args, torch, dist = self.args, self.torch, self.dist
+        args, dist = self.args, self.dist
         from tp_replayssm.placement import placement_check_stats
 
         log.info("pool: %s; local heads H=%d HV=%d; %s", self.pool, self.shard.num_q_heads_local,

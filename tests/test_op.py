@@ -166,3 +166,24 @@ def test_scenario_detects_a_wrong_kernel() -> None:
 
     with pytest.raises(AssertionError):
         run_scenario(dataclasses.replace(CASES["gqa-bf16ring-fp32state"], steps=4), forgetful)
+
+
+def test_gpu_config_choice_is_stable_and_cached() -> None:
+    """The value-tile rule of the pinned GPU configs, and one Config object per choice (the op caches
+    compiled kernels by config identity, so a fresh object per call would grow that cache forever)."""
+    from tp_replayssm._validation import DecodeDims
+    from tp_replayssm.configs import select_config
+
+    cuda = torch.device("cuda", 0)
+
+    def vt(batch: int, hv: int, v: int = 128) -> int:
+        dims = DecodeDims(batch=batch, num_q_heads=hv, num_v_heads=hv, key_dim=128, value_dim=v, ring_length=16,
+                          num_slots=batch)
+        step, flush = select_config(dims, torch.float32, cuda)
+        again, _ = select_config(dims, torch.bfloat16, cuda)
+        assert step is again and flush.config["block_sizes"] == [32]
+        return step.config["block_sizes"][0]
+
+    assert [vt(1, 32), vt(8, 32), vt(16, 32), vt(512, 32), vt(512, 32, v=64)] == [32, 64, 128, 128, 64]
+    cpu_step, cpu_flush = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
+    assert cpu_step.config["indexing"] == "pointer" and cpu_step is cpu_flush

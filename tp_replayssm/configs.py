@@ -1,11 +1,15 @@
 """Pinned Helion configs for the decode kernel, per device kind, state dtype and batch regime.
 
-GPU configs were tuned on an H200 (see ``benchmarks/RESULTS.md``). The CPU config serves the Triton
+GPU configs come from a hand sweep on an H200 (``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``):
+the same value-tile rule won for fp32 and bf16 checkpoints. Every call gets the same Config object for
+the same choice (the op caches compiled kernels by config identity). The CPU config serves the Triton
 interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
 ``tensor_descriptor`` indexing.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -39,5 +43,9 @@ def _gpu_config(dims: DecodeDims, state_dtype: torch.dtype) -> helion.Config:
         vt = 64
     else:
         vt = 32
-    vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
+    return _step_config(min(vt, 1 << (dims.value_dim - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=None)
+def _step_config(vt: int) -> helion.Config:
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=4, num_stages=1)
