@@ -675,6 +675,19 @@ def _is_fatal_cuda(exc: BaseException) -> bool:
                                    "misaligned address", "illegal instruction", "cuda error: an illegal"))
 
 
+def record_failure(rec: dict[str, Any], exc: BaseException, label: str, what: str = "",
+                   verbose: bool = False) -> bool:
+    """Record a failed measurement in ``rec`` (``<what>_error``/``<what>_trace``, or ``error``/``trace``)
+    and log it; return whether the CUDA context is broken (the caller then stops the sweep)."""
+    prefix = f"{what}_" if what else ""
+    rec[f"{prefix}error"] = _short_error(exc)
+    rec[f"{prefix}trace"] = traceback.format_exc(limit=8)
+    log(f"  [{label}] {what + ' ' if what else ''}failed: {_short_error(exc)}")
+    if verbose:
+        log(traceback.format_exc())
+    return _is_fatal_cuda(exc)
+
+
 def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     t_shape = time.perf_counter()
     dev = ctx["device"]
@@ -733,12 +746,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                 rec[f"{name}_gbps"] = rb / (rec[f"{name}_us"] * 1e-6) / 1e9
                 rec[f"{name}_pct_floor"] = 100.0 * rec["floor_replay_us"] / rec[f"{name}_us"]
             except Exception as exc:  # record and go on with the other implementation
-                rec[f"{name}_error"] = _short_error(exc)
-                rec[f"{name}_trace"] = traceback.format_exc(limit=8)
-                log(f"  [{shape.label}] {name} failed: {_short_error(exc)}")
-                if args.verbose:
-                    log(traceback.format_exc())
-                if _is_fatal_cuda(exc):
+                if record_failure(rec, exc, shape.label, name, args.verbose):
                     raise
         if fla is not None:
             try:
@@ -755,12 +763,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                 rec["fla_gbps"] = pb / (rec["fla_us"] * 1e-6) / 1e9
                 rec["fla_pct_floor"] = 100.0 * rec["floor_packed_us"] / rec["fla_us"]
             except Exception as exc:
-                rec["fla_error"] = _short_error(exc)
-                rec["fla_trace"] = traceback.format_exc(limit=8)
-                log(f"  [{shape.label}] fla failed: {_short_error(exc)}")
-                if args.verbose:
-                    log(traceback.format_exc())
-                if _is_fatal_cuda(exc):
+                if record_failure(rec, exc, shape.label, "fla", args.verbose):
                     raise
         if ours_graph is not None and not args.no_repeat:
             rec["ours_us_repeat"] = ours_graph.measure(*rep)["us"]
@@ -772,12 +775,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
             if "ours_us" in rec and f"{name}_us" in rec:
                 rec[f"speedup_vs_{name}"] = rec[f"{name}_us"] / rec["ours_us"]
     except Exception as exc:
-        rec["error"] = _short_error(exc)
-        rec["trace"] = traceback.format_exc(limit=8)
-        log(f"  [{shape.label}] failed: {_short_error(exc)}")
-        if args.verbose:
-            log(traceback.format_exc())
-        if _is_fatal_cuda(exc):
+        if record_failure(rec, exc, shape.label, verbose=args.verbose):
             ctx["fatal"] = rec["error"]
     finally:
         del graphs

@@ -51,6 +51,7 @@ if __name__ == "__main__" and "--allow-autotune" not in sys.argv[1:]:
 import torch  # noqa: E402
 
 from bench_decode import (  # noqa: E402
+    record_failure,
     DTYPES,
     GraphRun,
     _is_fatal_cuda,
@@ -381,12 +382,7 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
                 if _is_fatal_cuda(exc):
                     raise
     except Exception as exc:
-        rec["error"] = _short_error(exc)
-        rec["trace"] = traceback.format_exc(limit=8)
-        log(f"  [B{B} HV{HV}] failed: {_short_error(exc)}")
-        if args.verbose:
-            log(traceback.format_exc())
-        if _is_fatal_cuda(exc):
+        if record_failure(rec, exc, f"B{B} HV{HV}", verbose=args.verbose):
             ctx["fatal"] = rec["error"]
     finally:
         del graphs
