@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import statistics
+import time
 
 import torch
 
@@ -87,25 +88,24 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def op_launch(config: helion.Config | None, flush: bool = True):
-    from tp_replayssm import configs, kernel, ops
+def op_launch(choice: tuple[helion.Config, int] | None):
+    from tp_replayssm import configs, ops
 
     def launch(prob: dict, slots: torch.Tensor, c: int) -> None:
         inp = prob["inputs"][c]
         p = prob["p"]
-        if config is not None:
-            configs.FORCED_CONFIG = config
-        real_flush = kernel.flush_kernel_for
-        if not flush:  # time the step kernel alone (results are then wrong on flush steps)
-            kernel.flush_kernel_for = lambda cfg: (lambda *a: None)
+        if choice is not None:
+            configs.FORCED = choice
         try:
             ops.replayssm_decode(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, prob["st"], prob["d"],
                                  prob["kc"], prob["g"], prob["out"], slots, prob["cursors"][c], None, True, None)
         finally:
-            configs.FORCED_CONFIG = None
-            kernel.flush_kernel_for = real_flush
+            configs.FORCED = None
 
     return launch
+
+
+_REPORTED: set = set()
 
 
 def register_report() -> None:
@@ -114,7 +114,7 @@ def register_report() -> None:
 
     import triton
 
-    seen = set()
+    seen = _REPORTED
     for mod in list(sys.modules.values()):
         for name, obj in list(vars(mod).items()) if hasattr(mod, "__dict__") else []:
             if not (isinstance(obj, triton.runtime.jit.JITFunction) and name.startswith("_helion_replayssm")):
@@ -136,47 +136,51 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--ring", type=int, default=16)
-    ap.add_argument("--vt", type=int, nargs="+", default=[32, 64, 128])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--cands", nargs="+", default=["128:16:4", "128:32:4", "64:32:4", "32:32:4"],
+                    help="candidates VT:VC:WARPS (value tile, value chunk, warps)")
+    ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
+                    help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
-    ap.add_argument("--step-only", action="store_true", help="also time the step kernel alone")
-    ap.add_argument("--stages", type=int, nargs="+", default=[1])
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
+    t0 = time.monotonic()
     for HV, B, sname in itertools.product(args.hv, args.batch, args.state):
+        if time.monotonic() - t0 > args.budget_s:
+            print(f"HV={HV} B={B} {sname}: skipped (--budget-s)", flush=True)
+            continue
         sdt = torch.float32 if sname == "fp32" else torch.bfloat16
         per_set = B * HV * 128 * 128 * sdt.itemsize
         n_sets = max(1, min(16, (512 * 1024**2) // per_set))
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
-            helion.Config(block_sizes=[vt], indexing="pointer", num_warps=w, num_stages=st)
-            for vt, w, st in itertools.product(args.vt, args.warps, args.stages)
+            (helion.Config(block_sizes=[vt], indexing="pointer", num_warps=w, num_stages=1,
+                           range_num_stages=[0, 0, rs]), vc)
+            for (vt, vc, w), rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
-        runs = [(c, True) for c in cands] + ([(None, False)] if args.step_only else [])
-        for cfg, with_flush in runs:
+        for cfg in cands:
             try:
-                us = time_cycle(prob, op_launch(cfg, with_flush), args.ring)
+                us = time_cycle(prob, op_launch(cfg), args.ring)
             except Exception as exc:  # noqa: BLE001 - record and go on
                 print(f"HV={HV} B={B} {sname} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
                 continue
-            name = "default" if cfg is None else f"vt{cfg['block_sizes'][0]}-w{cfg['num_warps']}-s{cfg['num_stages']}"
-            name += "" if with_flush else "-stepOnly"
+            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}".format(
+                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][2])
             rows.append(dict(HV=HV, B=B, state=sname, config=name, us=us))
             print(f"HV={HV:3d} B={B:4d} {sname} {name:12s} {us:9.2f} us/step", flush=True)
         del prob
         torch.cuda.empty_cache()
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "tune.json"), "w") as f:
-        json.dump(dict(copy_bw=bw, rows=rows), f, indent=1)
-    register_report()
+        register_report()
+        with open(os.path.join(os.environ.get("OUT", "."), "tune.json"), "w") as f:  # after every shape
+            json.dump(dict(copy_bw=bw, rows=rows), f, indent=1)
     print("\nbest per shape:")
     for key, grp in itertools.groupby(rows, key=lambda r: (r["HV"], r["B"], r["state"])):
         grp = list(grp)
-        best = min((r for r in grp if "stepOnly" not in r["config"]), key=lambda r: r["us"])
+        best = min(grp, key=lambda r: r["us"])
         dflt = next((r["us"] for r in grp if r["config"] == "default"), float("nan"))
         print(f"HV={key[0]:3d} B={key[1]:4d} {key[2]}: best {best['config']:12s} {best['us']:8.2f} us  default {dflt:8.2f} us")
 

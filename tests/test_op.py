@@ -170,21 +170,29 @@ def test_scenario_detects_a_wrong_kernel() -> None:
 
 
 def test_gpu_config_choice_is_stable_and_cached() -> None:
-    """The value-tile rule of the pinned GPU configs, and one Config object per choice (the op caches
+    """The value-tile rule of the pinned GPU choices, and one Config object per choice (the op caches
     compiled kernels by config identity, so a fresh object per call would grow that cache forever)."""
     from tp_replayssm._validation import DecodeDims
     from tp_replayssm.configs import select_config
 
     cuda = torch.device("cuda", 0)
 
-    def vt(batch: int, hv: int, v: int = 128) -> int:
+    def tiles(batch: int, hv: int, v: int = 128) -> tuple[int, int]:
         dims = DecodeDims(batch=batch, num_q_heads=hv, num_v_heads=hv, key_dim=128, value_dim=v, ring_length=16,
                           num_slots=batch)
-        step, flush = select_config(dims, torch.float32, cuda)
-        again, _ = select_config(dims, torch.bfloat16, cuda)
-        assert step is again and flush.config["block_sizes"] == [32]
-        return step.config["block_sizes"][0]
+        config, chunk = select_config(dims, torch.float32, cuda)
+        again, _ = select_config(dims, torch.float32, cuda)
+        assert config is again
+        vt = config.config["block_sizes"][0]
+        assert chunk <= vt and vt % chunk == 0
+        return vt, chunk
 
-    assert [vt(1, 32), vt(8, 32), vt(16, 32), vt(512, 32), vt(512, 32, v=64)] == [32, 64, 128, 128, 64]
-    cpu_step, cpu_flush = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
-    assert cpu_step.config["indexing"] == "pointer" and cpu_step is cpu_flush
+    # (value tile, value chunk) per regime of B * HV, fp32 state (benchmarks/RESULTS.md, 2026-11-29 sweep)
+    assert [tiles(1, 8), tiles(1, 32), tiles(8, 8), tiles(8, 32), tiles(16, 32), tiles(512, 32)] == [
+        (16, 16), (32, 32), (64, 32), (64, 16), (128, 16), (128, 16)]
+    assert tiles(512, 32, v=64) == (64, 16)
+    dims = DecodeDims(batch=512, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
+                      num_slots=512)
+    assert select_config(dims, torch.bfloat16, cuda)[1] == 32  # 8 KiB chunks: 32 bf16 rows of K = 128
+    cpu, cpu_chunk = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
+    assert cpu.config["indexing"] == "pointer" and cpu_chunk < cpu.config["block_sizes"][0]

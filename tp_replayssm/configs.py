@@ -1,8 +1,12 @@
-"""Pinned Helion configs for the decode kernel, per device kind, state dtype and batch regime.
+"""Pinned launch choices for the decode kernel, per device kind and batch regime.
 
-GPU configs come from a hand sweep on an H200 (``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``):
-the same value-tile rule won for fp32 and bf16 checkpoints. Every call gets the same Config object for
-the same choice (the op caches compiled kernels by config identity). The CPU config serves the Triton
+A choice is a Helion config plus the kernel's ``value_chunk`` constant. The config's
+``block_sizes[0]`` is the value tile ``vt`` of one program (the grid is ``B * HV * V/vt`` programs);
+``value_chunk`` (``vc``) is how many value rows of the checkpoint the program's inner loop holds at a
+time (``[vc, K]``, with the next chunk's loads already in flight); ``range_num_stages[2]``
+software-pipelines the flush rows' ring-replay loop. GPU choices come from sweeps on an H200
+(``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``). Every call gets the same Config object for
+the same choice (the op caches compiled kernels by config identity). The CPU choice serves the Triton
 interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
 ``tensor_descriptor`` indexing.
 """
@@ -17,35 +21,36 @@ import helion
 
 from ._validation import DecodeDims
 
-# Set by benchmarks/tune_decode.py to time a candidate config; None in normal use.
-FORCED_CONFIG: helion.Config | None = None
-
-_CPU_INTERPRETER = helion.Config(block_sizes=[32], indexing="pointer", num_warps=4, num_stages=1)
-
-
-def select_config(dims: DecodeDims, state_dtype: torch.dtype,
-                  device: torch.device) -> tuple[helion.Config, helion.Config]:
-    """The pinned (step, flush) configs for one call: ``block_sizes[0]`` is the value-tile width."""
-    if device.type != "cuda":
-        return _CPU_INTERPRETER, _CPU_INTERPRETER
-    step = FORCED_CONFIG if FORCED_CONFIG is not None else _gpu_config(dims, state_dtype)
-    return step, _FLUSH_GPU
-
-
-_FLUSH_GPU = helion.Config(block_sizes=[32], indexing="pointer", num_warps=4, num_stages=1)
-
-
-def _gpu_config(dims: DecodeDims, state_dtype: torch.dtype) -> helion.Config:
-    programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
-    if programs_full >= 512:
-        vt = 128
-    elif programs_full >= 128:
-        vt = 64
-    else:
-        vt = 32
-    return _step_config(min(vt, 1 << (dims.value_dim - 1).bit_length()))
+# Set by benchmarks/tune_decode.py to time a candidate (config, value_chunk); None in normal use.
+FORCED: tuple[helion.Config, int] | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _step_config(vt: int) -> helion.Config:
-    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=4, num_stages=1)
+def _config(vt: int, warps: int, replay_stages: int) -> helion.Config:
+    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
+                         range_num_stages=[0, 0, replay_stages])
+
+
+def select_config(dims: DecodeDims, state_dtype: torch.dtype,
+                  device: torch.device) -> tuple[helion.Config, int]:
+    """The pinned ``(config, value_chunk)`` for one call (see the module docstring)."""
+    if device.type != "cuda":
+        return _config(32, 4, 0), 16
+    if FORCED is not None:
+        return FORCED
+    pow2_v = 1 << (dims.value_dim - 1).bit_length()
+    programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
+    if programs_full >= 512:  # enough (row, head) pairs: one program streams all of V in 8 KiB chunks
+        vt = min(128, pow2_v)
+        chunk = max(16, 8192 // (dims.key_dim * state_dtype.itemsize))
+        return _config(vt, 4, 2), min(chunk, vt)
+    if programs_full >= 128:
+        vt, chunk, warps = 64, 16, 2
+    elif programs_full >= 64:
+        vt, chunk, warps = 64, 32, 4
+    elif programs_full >= 16:
+        vt, chunk, warps = 32, 32, 4
+    else:
+        vt, chunk, warps = 16, 16, 4
+    vt = min(vt, pow2_v)
+    return _config(vt, warps, 2), min(chunk, vt)

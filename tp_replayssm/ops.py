@@ -1,7 +1,7 @@
 """``replayssm_decode``: the Helion ReplaySSM decode op (SPEC section 1, fixed signature).
 
 Validates every argument (``ValueError`` before anything is written), builds the kernel's views
-without copying any cache, and launches the step and flush kernels of :mod:`tp_replayssm.kernel` on
+without copying any cache, and launches the kernel of :mod:`tp_replayssm.kernel` on
 the inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
 without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
 """
@@ -100,11 +100,10 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
            use_l2norm: bool, lower_bound: float | None) -> None:
-    """Launch both kernels on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
+    """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
     install_libdevice_shim()
 
-    B, H, HV, K, V, L = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
-                         dims.ring_length)
+    H, HV, K, V, L = dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     q3 = mixed_qkv[:, : H * K].unflatten(1, (H, K))
     k3 = mixed_qkv[:, H * K : 2 * H * K].unflatten(1, (H, K))
     v3 = mixed_qkv[:, 2 * H * K :].unflatten(1, (HV, V))
@@ -115,18 +114,13 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     ring_block = max(16, 1 << (L - 1).bit_length())
-    step_cfg, flush_cfg = select_config(dims, initial_state.dtype, mixed_qkv.device)
-    delta_scratch = torch.empty(B, HV, V, dtype=torch.float32, device=mixed_qkv.device)
+    config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
     strides = (*st, *dr, *kr, *gr)
-    flags = (L, ring_block, use_l2norm, lower_bound is not None)
+    flags = (L, ring_block, value_chunk, use_l2norm, lower_bound is not None)
     guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
-        _kernel.step_kernel_for(step_cfg)(
-            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1), delta_scratch,
+        _kernel.decode_kernel_for(config)(
+            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
             slots, write_pos, force_flush, scale, lb, *strides, *flags,
-        )
-        _kernel.flush_kernel_for(flush_cfg)(
-            k3, a3, A_log, dt2, state_rows, d_rows, k_rows, g_rows, delta_scratch, slots, write_pos,
-            force_flush, lb, *strides, *flags,
         )
