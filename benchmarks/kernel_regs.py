@@ -1,0 +1,105 @@
+"""Registers, shared memory and spills of the decode kernel for sm_90 (H100/H200), read on a CPU machine.
+
+Generates the Triton code for a launch choice with Helion (``to_triton_code``), compiles it for
+sm_90 with the ptxas that ships in the triton wheel, and reads the cubin's resource usage with the
+bundled ``cuobjdump``. No GPU needed, so register budgets can be checked before spending device time;
+the H200's triton 3.6 build agreed within a few registers in the 2026-11-29 sweeps.
+
+    python benchmarks/kernel_regs.py --vt 128 --vc 16 --warps 4 --state fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+_PTR = {"slots": "*i32", "write_pos": "*i32", "force_flush": "*i32", "g_rows": "*fp32", "dt_bias2": "*fp32",
+        "A_log": "*fp32"}
+
+
+def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: int = 8, replay_stages: int = 2,
+                     lower_bound: bool = False) -> dict[str, int]:
+    """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
+    import helion
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, str(REPO))
+    from tp_replayssm import kernel, ops
+
+    B, H, K, V, L = 64, heads, 128, 128, 16
+    sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
+    act = torch.bfloat16
+    mixed = torch.zeros(B, 2 * H * K + H * V, dtype=act)
+    rows = [ops._rows_view(torch.zeros(B, H, n, m, dtype=dt))
+            for n, m, dt in ((V, K, sdt), (L, V, act), (L, K, act), (L, K, torch.float32))]
+    args = (mixed[:, : H * K].unflatten(1, (H, K)), mixed[:, H * K : 2 * H * K].unflatten(1, (H, K)),
+            mixed[:, 2 * H * K :].unflatten(1, (H, V)), torch.zeros(B, H, K, dtype=act), torch.zeros(B, H, dtype=act),
+            torch.zeros(H), torch.zeros(H, K), *(r for r, _ in rows), torch.zeros(B, H, V, dtype=act),
+            torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
+            0.1, -5.0, *(s for _, st in rows for s in st), L, 16, vc, True, lower_bound)
+    config = helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
+                           range_num_stages=[0, 0, replay_stages])
+    code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
+        .to_triton_code(config)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "gen_kernel.py"
+        src.write_text(code)
+        spec = importlib.util.spec_from_file_location("tp_replayssm_generated_kernel", src)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # triton reads the jitted functions' source from this file
+        fn = module._helion_replayssm_decode_kernel
+        ptr = dict(_PTR, state_rows="*" + state, **{n: "*bf16" for n in
+                                                    ("k_rows", "q3", "k3", "a3", "b2", "d_rows", "v3", "out3")})
+        sig, constexprs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in ptr:
+                sig[name] = ptr[name]
+            elif name.startswith("_"):
+                sig[name] = "constexpr"
+                constexprs[(i,)] = int(re.search(rf"{name} = (\d+)", code).group(1))
+            else:
+                sig[name] = "fp32" if name == "scale" else "i64"
+        # the JIT specializes 16-divisible pointers and strides the same way on the GPU
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=warps, num_stages=1))
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+    m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
+    if m is None:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
+    return dict(zip(("regs", "shared", "local"), map(int, m.groups())))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vt", type=int, default=128)
+    ap.add_argument("--vc", type=int, default=16)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--replay-stages", type=int, default=2)
+    args = ap.parse_args()
+    r = kernel_resources(args.vt, args.vc, args.warps, args.state, replay_stages=args.replay_stages)
+    print(f"vt={args.vt} vc={args.vc} warps={args.warps} state={args.state}: "
+          f"{r['regs']} registers/thread, {r['shared']} B shared, {r['local']} B local (spills)")
+
+
+if __name__ == "__main__":
+    main()

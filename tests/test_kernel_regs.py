@@ -1,0 +1,54 @@
+"""Register budget of the pinned GPU launch choices, checked on CPU by compiling for sm_90.
+
+The decode kernel is latency-bound (benchmarks/RESULTS.md): every register per thread costs resident
+programs per SM. Version 1 of the single-pass kernel put a matrix product in the flush path and paid
+~95 registers per thread on every program, flushing or not. This test compiles the kernel for sm_90
+(ptxas from the triton wheel, no GPU) at each pinned choice and fails on spills or on more than 168
+registers per thread (fewer than 3 resident CTAs of 4 warps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import json, torch
+from tp_replayssm._validation import DecodeDims
+from tp_replayssm.configs import select_config
+from benchmarks.kernel_regs import kernel_resources
+out = []
+for batch, hv, state in ((512, 32, torch.float32), (512, 32, torch.bfloat16), (8, 32, torch.float32),
+                         (1, 8, torch.float32)):
+    dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
+    config, chunk = select_config(dims, state, torch.device("cuda", 0))
+    r = kernel_resources(config.config["block_sizes"][0], chunk, config.config["num_warps"],
+                         "fp32" if state == torch.float32 else "bf16",
+                         replay_stages=config.config["range_num_stages"][2])
+    out.append(dict(batch=batch, hv=hv, state=str(state), vt=config.config["block_sizes"][0], vc=chunk,
+                    warps=config.config["num_warps"], **r))
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=280)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    results = json.loads(line[len("RESULT "):])
+    assert len(results) == 4
+    for r in results:
+        threads = 32 * r["warps"]
+        assert r["local"] == 0, f"spills: {r}"
+        assert 0 < r["regs"] <= 168 * 128 // threads, f"over the register budget: {r}"
