@@ -688,6 +688,15 @@ def record_failure(rec: dict[str, Any], exc: BaseException, label: str, what: st
     return _is_fatal_cuda(exc)
 
 
+def release_cuda(ctx: dict[str, Any]) -> None:
+    """Free the cached CUDA memory after a shape; a broken context marks the sweep fatal instead."""
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception as exc:  # a broken context
+        ctx["fatal"] = ctx.get("fatal") or _short_error(exc)
+
+
 def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     t_shape = time.perf_counter()
     dev = ctx["device"]
@@ -780,11 +789,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
     finally:
         del graphs
         del buf
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        except Exception as exc:  # a broken context
-            ctx["fatal"] = ctx.get("fatal") or _short_error(exc)
+        release_cuda(ctx)
     rec["shape_s"] = time.perf_counter() - t_shape
     return rec
 

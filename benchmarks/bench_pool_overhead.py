@@ -52,6 +52,7 @@ import torch  # noqa: E402
 
 from bench_decode import (  # noqa: E402
     record_failure,
+    release_cuda,
     DTYPES,
     GraphRun,
     _is_fatal_cuda,
@@ -255,17 +256,17 @@ class Setup:
         self.advance(self.cursors[si])
 
     def pool_graph_fn(self) -> Callable[[], None]:
-        def fn() -> None:
-            for si in range(self.n_sets):
-                for t in range(self.L):
-                    self.pool_step(si, t)
-        return fn
+        return self._cycles_fn(self.pool_step)
 
     def bare_graph_fn(self) -> Callable[[], None]:
+        return self._cycles_fn(self.bare_step)
+
+    def _cycles_fn(self, step: Callable[[int, int], None]) -> Callable[[], None]:
+        """Every slot set through one full cursor cycle (L steps), for graph capture."""
         def fn() -> None:
             for si in range(self.n_sets):
                 for t in range(self.L):
-                    self.bare_step(si, t)
+                    step(si, t)
         return fn
 
     def check(self) -> float:
@@ -387,11 +388,7 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
     finally:
         del graphs
         del su
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        except Exception as exc:
-            ctx["fatal"] = ctx.get("fatal") or _short_error(exc)
+        release_cuda(ctx)
     rec["config_s"] = time.perf_counter() - t0
     return rec
 

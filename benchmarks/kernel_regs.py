@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -21,8 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-_PTR = {"slots": "*i32", "write_pos": "*i32", "force_flush": "*i32", "g_rows": "*fp32", "dt_bias2": "*fp32",
-        "A_log": "*fp32"}
+_TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int32": "i32"}
 
 
 def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: int = 8, replay_stages: int = 2,
@@ -37,23 +37,30 @@ def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: i
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(REPO))
-    from tp_replayssm import kernel, ops
+    from tp_replayssm import configs, kernel, ops
+    from tp_replayssm._validation import validate_decode_inputs
+    from tp_replayssm.testing import random_decode_inputs, random_head_params
 
     B, H, K, V, L = 64, heads, 128, 128, 16
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
-    act = torch.bfloat16
-    mixed = torch.zeros(B, 2 * H * K + H * V, dtype=act)
-    rows = [ops._rows_view(torch.zeros(B, H, n, m, dtype=dt))
-            for n, m, dt in ((V, K, sdt), (L, V, act), (L, K, act), (L, K, torch.float32))]
-    args = (mixed[:, : H * K].unflatten(1, (H, K)), mixed[:, H * K : 2 * H * K].unflatten(1, (H, K)),
-            mixed[:, 2 * H * K :].unflatten(1, (H, V)), torch.zeros(B, H, K, dtype=act), torch.zeros(B, H, dtype=act),
-            torch.zeros(H), torch.zeros(H, K), *(r for r, _ in rows), torch.zeros(B, H, V, dtype=act),
-            torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
-            0.1, -5.0, *(s for _, st in rows for s in st), L, 16, vc, True, lower_bound)
-    config = helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
-                           range_num_stages=[0, 0, replay_stages])
+    inp = random_decode_inputs(B, H, H, K, V)
+    p = random_head_params(H, K)
+    caches = (torch.zeros(B, H, V, K, dtype=sdt), torch.zeros(B, H, L, V, dtype=torch.bfloat16),
+              torch.zeros(B, H, L, K, dtype=torch.bfloat16), torch.zeros(B, H, L, K))
+    out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
+    slots = torch.arange(B, dtype=torch.int32)
+    zeros = torch.zeros(B, dtype=torch.int32)
+    lb = -5.0 if lower_bound else None
+    dims = validate_decode_inputs(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, *caches, out, slots,
+                                  zeros, zeros, lb)
+    args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
+                           zeros, True, lb, vc)
+    config = configs.launch_config(vt, warps, replay_stages)
     code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
         .to_triton_code(config)
+    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    pointers = {name: "*" + _TRITON_DTYPE[str(arg.dtype)] for name, arg in zip(params, args)
+                if isinstance(arg, torch.Tensor)}
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "gen_kernel.py"
         src.write_text(code)
@@ -61,12 +68,10 @@ def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: i
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # triton reads the jitted functions' source from this file
         fn = module._helion_replayssm_decode_kernel
-        ptr = dict(_PTR, state_rows="*" + state, **{n: "*bf16" for n in
-                                                    ("k_rows", "q3", "k3", "a3", "b2", "d_rows", "v3", "out3")})
         sig, constexprs = {}, {}
         for i, name in enumerate(fn.arg_names):
-            if name in ptr:
-                sig[name] = ptr[name]
+            if name in pointers:
+                sig[name] = pointers[name]
             elif name.startswith("_"):
                 sig[name] = "constexpr"
                 constexprs[(i,)] = int(re.search(rf"{name} = (\d+)", code).group(1))

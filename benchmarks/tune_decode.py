@@ -114,7 +114,6 @@ def register_report() -> None:
 
     import triton
 
-    seen = _REPORTED
     for mod in list(sys.modules.values()):
         for name, obj in list(vars(mod).items()) if hasattr(mod, "__dict__") else []:
             if not (isinstance(obj, triton.runtime.jit.JITFunction) and name.startswith("_helion_replayssm")):
@@ -122,9 +121,9 @@ def register_report() -> None:
             for cache in getattr(obj, "device_caches", {}).values():
                 for key, k in cache[0].items():
                     tag = (name, id(k))
-                    if tag in seen:
+                    if tag in _REPORTED:
                         continue
-                    seen.add(tag)
+                    _REPORTED.add(tag)
                     md = k.metadata
                     print(f"{name}: regs={k.n_regs} spills={k.n_spills} warps={md.num_warps} "
                           f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
@@ -145,6 +144,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
+    from tp_replayssm import configs
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -158,8 +158,7 @@ def main() -> None:
         n_sets = max(1, min(16, (512 * 1024**2) // per_set))
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
-            (helion.Config(block_sizes=[vt], indexing="pointer", num_warps=w, num_stages=1,
-                           range_num_stages=[0, 0, rs]), vc)
+            (configs.launch_config(vt, w, rs), vc)
             for (vt, vc, w), rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
         for cfg in cands:

@@ -26,7 +26,8 @@ FORCED: tuple[helion.Config, int] | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def _config(vt: int, warps: int, replay_stages: int) -> helion.Config:
+def launch_config(vt: int, warps: int, replay_stages: int) -> helion.Config:
+    """The Helion config of a launch choice (one cached object per distinct choice)."""
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
                          range_num_stages=[0, 0, replay_stages])
 
@@ -35,16 +36,13 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
                   device: torch.device) -> tuple[helion.Config, int]:
     """The pinned ``(config, value_chunk)`` for one call (see the module docstring)."""
     if device.type != "cuda":
-        return _config(32, 4, 0), 16
+        return launch_config(32, 4, 0), 16
     if FORCED is not None:
         return FORCED
-    pow2_v = 1 << (dims.value_dim - 1).bit_length()
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
     if programs_full >= 512:  # enough (row, head) pairs: one program streams all of V in 8 KiB chunks
-        vt = min(128, pow2_v)
-        chunk = max(16, 8192 // (dims.key_dim * state_dtype.itemsize))
-        return _config(vt, 4, 2), min(chunk, vt)
-    if programs_full >= 128:
+        vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
+    elif programs_full >= 128:
         vt, chunk, warps = 64, 16, 2
     elif programs_full >= 64:
         vt, chunk, warps = 64, 32, 4
@@ -52,5 +50,5 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
         vt, chunk, warps = 32, 32, 4
     else:
         vt, chunk, warps = 16, 16, 4
-    vt = min(vt, pow2_v)
-    return _config(vt, warps, 2), min(chunk, vt)
+    vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
+    return launch_config(vt, warps, 2), min(chunk, vt)

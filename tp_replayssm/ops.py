@@ -102,7 +102,21 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            use_l2norm: bool, lower_bound: float | None) -> None:
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
     install_libdevice_shim()
+    config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
+    args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk)
+    guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        _kernel.decode_kernel_for(config)(*args)
 
+
+def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, initial_state: torch.Tensor,
+                d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
+                slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
+                use_l2norm: bool, lower_bound: float | None, value_chunk: int) -> tuple:
+    """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
+    no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU)."""
     H, HV, K, V, L = dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     q3 = mixed_qkv[:, : H * K].unflatten(1, (H, K))
     k3 = mixed_qkv[:, H * K : 2 * H * K].unflatten(1, (H, K))
@@ -114,13 +128,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     ring_block = max(16, 1 << (L - 1).bit_length())
-    config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    strides = (*st, *dr, *kr, *gr)
-    flags = (L, ring_block, value_chunk, use_l2norm, lower_bound is not None)
-    guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _kernel.decode_kernel_for(config)(
-            q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
-            slots, write_pos, force_flush, scale, lb, *strides, *flags,
-        )
+    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
+            slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
+            L, ring_block, value_chunk, use_l2norm, lower_bound is not None)
