@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int32": "i32"}
 
 
-def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: int = 8, replay_stages: int = 2,
+def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False) -> dict[str, int]:
-    """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice."""
+    """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
+    (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -55,7 +56,7 @@ def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: i
                                   zeros, zeros, lb)
     args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
                            zeros, True, lb, vc)
-    config = configs.launch_config(vt, warps, replay_stages)
+    warps = config.config["num_warps"]
     code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
         .to_triton_code(config)
     params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
@@ -81,7 +82,15 @@ def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: i
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=1))
+                                  options=dict(num_warps=warps, num_stages=1,
+                                               **({"maxnreg": config.config["maxnreg"]}
+                                                  if config.config.get("maxnreg") else {})))
+        if os.environ.get("KERNEL_REGS_DUMP"):  # debugging aid: keep the generated code and PTX
+            dump = Path(os.environ["KERNEL_REGS_DUMP"])
+            dump.mkdir(parents=True, exist_ok=True)
+            (dump / "kernel.py").write_text(code)
+            for ext in ("ttgir", "ptx"):
+                (dump / f"kernel.{ext}").write_text(compiled.asm[ext])
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -90,7 +99,9 @@ def kernel_resources(vt: int, vc: int, warps: int, state: str = "fp32", heads: i
     m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
-    return dict(zip(("regs", "shared", "local"), map(int, m.groups())))
+    res = dict(zip(("regs", "shared", "local"), map(int, m.groups())))
+    res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
+    return res
 
 
 def main() -> None:
@@ -100,9 +111,13 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--replay-stages", type=int, default=2)
+    ap.add_argument("--maxnreg", type=int, default=None)
     args = ap.parse_args()
-    r = kernel_resources(args.vt, args.vc, args.warps, args.state, replay_stages=args.replay_stages)
-    print(f"vt={args.vt} vc={args.vc} warps={args.warps} state={args.state}: "
+    sys.path.insert(0, str(REPO))
+    from tp_replayssm import configs
+    config = configs.launch_config(args.vt, args.warps, args.replay_stages, args.maxnreg)
+    r = kernel_resources(config, args.vc, args.state)
+    print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['local']} B local (spills)")
 
 

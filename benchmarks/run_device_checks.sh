@@ -9,7 +9,8 @@ source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.l
 tail -1 "$OUT/setup.log"
 step() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 step "gpu tests"
-timeout 290 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_op_gpu.py tests/test_pool.py >> "$LOG" 2>&1
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_op_gpu.py tests/test_pool.py \
+  tests/test_cursor_kernel.py >> "$LOG" 2>&1
 echo "rc=$?"; grep -E "passed|failed|Error|FAILED" "$LOG" | tail -8
 step "bench_decode --quick"
 timeout 110 python3 benchmarks/bench_decode.py --quick --budget-s 75 >> "$LOG" 2>&1; echo "rc=$?"
@@ -23,4 +24,7 @@ timeout 45 torchrun --standalone --nproc-per-node 1 benchmarks/bench_placement.p
 step "launcher --device cuda"
 timeout 60 torchrun --standalone --nproc-per-node 1 launch/decode.py --device cuda --shape kimi-linear --steps 12 \
   >> "$LOG" 2>&1; echo "rc=$?"; tail -14 "$LOG"
-rm -f "$OUT"/*.png
+step "maxnreg probe (register cap per thread, HV32 B512 fp32)"
+timeout 50 python3 benchmarks/tune_decode.py --hv 32 --batch 512 --state fp32 --cands 128:16:4:80 128:16:4:96 \
+  --budget-s 30 2>&1 | grep -E "us/step|FAILED" | cut -c1-600 | tee -a "$LOG"
+rm -f "$OUT"/*.png "$OUT"/tune.json

@@ -135,8 +135,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--ring", type=int, default=16)
-    ap.add_argument("--cands", nargs="+", default=["128:16:4", "128:32:4", "64:32:4", "32:32:4"],
-                    help="candidates VT:VC:WARPS (value tile, value chunk, warps)")
+    ap.add_argument("--cands", nargs="+", default=["128:16:4", "128:16:4:80", "64:16:2", "32:32:4"],
+                    help="candidates VT:VC:WARPS[:MAXNREG[:PER_SM]] (value tile, value chunk, warps, register cap per "
+                         "thread (0 = none), persistent grid with PER_SM programs per SM)")
     ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
                     help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
@@ -158,17 +159,20 @@ def main() -> None:
         n_sets = max(1, min(16, (512 * 1024**2) // per_set))
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
-            (configs.launch_config(vt, w, rs), vc)
-            for (vt, vc, w), rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
+            (configs.launch_config(c[0], c[2], rs, c[3] or None if len(c) > 3 else None,
+                                   c[4] if len(c) > 4 else None), c[1])
+            for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
         for cfg in cands:
             try:
                 us = time_cycle(prob, op_launch(cfg), args.ring)
             except Exception as exc:  # noqa: BLE001 - record and go on
-                print(f"HV={HV} B={B} {sname} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                print(f"HV={HV} B={B} {sname} {cfg and (cfg[0].config, cfg[1])}: FAILED {type(exc).__name__}: "
+                      f"{str(exc)[-300:]}", flush=True)
                 continue
-            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}".format(
-                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][2])
+            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
+                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][2],
+                cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)
             rows.append(dict(HV=HV, B=B, state=sname, config=name, us=us))
             print(f"HV={HV:3d} B={B:4d} {sname} {name:12s} {us:9.2f} us/step", flush=True)
         del prob

@@ -29,9 +29,7 @@ for batch, hv, state in ((512, 32, torch.float32), (512, 32, torch.bfloat16), (8
                          (1, 8, torch.float32)):
     dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
     config, chunk = select_config(dims, state, torch.device("cuda", 0))
-    r = kernel_resources(config.config["block_sizes"][0], chunk, config.config["num_warps"],
-                         "fp32" if state == torch.float32 else "bf16",
-                         replay_stages=config.config["range_num_stages"][2])
+    r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16")
     out.append(dict(batch=batch, hv=hv, state=str(state), vt=config.config["block_sizes"][0], vc=chunk,
                     warps=config.config["num_warps"], **r))
 print("RESULT " + json.dumps(out))

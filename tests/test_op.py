@@ -196,3 +196,58 @@ def test_gpu_config_choice_is_stable_and_cached() -> None:
     assert select_config(dims, torch.bfloat16, cuda)[1] == 32  # 8 KiB chunks: 32 bf16 rows of K = 128
     cpu, cpu_chunk = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
     assert cpu.config["indexing"] == "pointer" and cpu_chunk < cpu.config["block_sizes"][0]
+
+
+# ---------------------------------------------------------------- the pool's entry point (cursor table)
+
+
+def test_cursor_table_entry_matches_row_cursors_bitwise() -> None:
+    """``decode_with_cursor_table`` (the kernel reads ``cursors[slot]``) == ``replayssm_decode`` with
+    ``write_pos = cursors[slots]``: same outputs and caches, bit for bit, flush and padding rows included."""
+    gen = torch.Generator().manual_seed(11)
+    t = _tensors(ssm_state_indices=torch.tensor([4, -1, 1], dtype=torch.int32),
+                 force_flush=torch.tensor([0, 1, 0], dtype=torch.int32))
+    for k, v in t.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in ("mixed_qkv", "a", "b"):
+            t[k] = (0.1 * torch.randn(v.shape, generator=gen)).to(v.dtype)
+    t["out"] = torch.full((B, 1, HV, V), float("nan"), dtype=torch.bfloat16)
+    cursors = torch.tensor([0, L - 1, 2, 1, 2, 3], dtype=torch.int32)  # [S + 1]; slot 1 flushes at L-1
+    rows = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in t.items()}
+    rows["write_pos"] = cursors[rows["ssm_state_indices"].clamp(0, S).long()]
+    ops.replayssm_decode(**rows)
+    table = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in t.items() if k != "write_pos"}
+    table["cursors"] = cursors.clone()
+    ops.decode_with_cursor_table(**table)
+    for k in ("out", "initial_state", "d_cache", "k_cache", "g_cache"):
+        assert torch.equal(table[k], rows[k]), k
+    assert torch.equal(table["cursors"], cursors)  # read only
+    assert not torch.equal(rows["initial_state"], t["initial_state"])  # the flush row did write
+
+
+def test_cursor_table_of_the_wrong_shape_is_refused_before_anything_is_written() -> None:
+    t = _tensors()
+    del t["write_pos"]
+    t["cursors"] = torch.zeros(B, dtype=torch.int32)  # per row, not [S + 1]
+    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"`cursors`.*\[6\].*\[3\]"):
+        ops.decode_with_cursor_table(**t)
+    for k, v in snapshot.items():
+        assert torch.equal(t[k], v), f"{k} was written"
+
+
+def test_cache_row_views_are_cached_per_tensor_and_dropped_with_it() -> None:
+    import gc
+
+    big = torch.zeros(2, S, HV, L, V)
+    layer = big[1]
+    first = ops._rows_view(layer)
+    assert ops._rows_view(layer) is first  # same tensor object: no new views
+    assert first[0].data_ptr() == layer.data_ptr() and first[1] == tuple(layer.stride()[:3])
+    n = len(ops._ROWS_VIEWS)
+    del layer, first
+    gc.collect()
+    assert len(ops._ROWS_VIEWS) == n - 1  # the entry died with its tensor
+    t = torch.zeros(S, HV, L, V)
+    view = ops._rows_view(t)
+    t.set_(torch.zeros(S, HV, L, V).untyped_storage(), 0, t.shape, t.stride())  # new data pointer: rebuilt
+    assert ops._rows_view(t)[0].data_ptr() == t.data_ptr() != view[0].data_ptr()

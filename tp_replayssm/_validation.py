@@ -80,8 +80,13 @@ def validate_decode_inputs(
     write_pos: torch.Tensor,
     force_flush: torch.Tensor | None,
     lower_bound: float | None,
+    *,
+    cursors_by_slot: bool = False,
 ) -> DecodeDims:
-    """Check every argument of ``replayssm_decode`` against SPEC section 1; return the sizes."""
+    """Check every argument of ``replayssm_decode`` against SPEC section 1; return the sizes.
+
+    ``cursors_by_slot``: ``write_pos`` is a cursor table ``[S + 1]`` indexed by slot (the pool's), not
+    one cursor per row ``[B]``."""
     if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
         raise _fail("initial_state", "a 4-D tensor [S, HV, V, K]", _describe(initial_state))
     S, HV, V, K = initial_state.shape
@@ -112,7 +117,10 @@ def validate_decode_inputs(
     _check_tensor("dt_bias", dt_bias, ((HV * K,), (HV, K)), (torch.float32,))
     _check_tensor("out", out, ((B, 1, HV, V),), (mixed_qkv.dtype,))
     _check_tensor("ssm_state_indices", ssm_state_indices, ((B,),), (torch.int32,), last_contiguous=False)
-    _check_tensor("write_pos", write_pos, ((B,),), (torch.int32,), last_contiguous=False)
+    if cursors_by_slot:
+        _check_tensor("cursors", write_pos, ((S + 1,),), (torch.int32,), last_contiguous=False)
+    else:
+        _check_tensor("write_pos", write_pos, ((B,),), (torch.int32,), last_contiguous=False)
     if force_flush is not None:
         _check_tensor("force_flush", force_flush, ((B,),), (torch.int32,), last_contiguous=False)
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):

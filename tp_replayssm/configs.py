@@ -26,10 +26,18 @@ FORCED: tuple[helion.Config, int] | None = None
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(vt: int, warps: int, replay_stages: int) -> helion.Config:
-    """The Helion config of a launch choice (one cached object per distinct choice)."""
+def launch_config(vt: int, warps: int, replay_stages: int, maxnreg: int | None = None,
+                  programs_per_sm: int | None = None) -> helion.Config:
+    """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
+    makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles); only
+    then may ``maxnreg`` cap the registers per thread (ptxas), which sets how many programs an SM holds."""
+    extra: dict[str, object] = {}
+    if programs_per_sm is not None:
+        extra.update(pid_type="persistent_interleaved", num_sm_multiplier=programs_per_sm)
+    if maxnreg is not None:
+        extra["maxnreg"] = maxnreg
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
-                         range_num_stages=[0, 0, replay_stages])
+                         range_num_stages=[0, 0, replay_stages], **extra)
 
 
 def select_config(dims: DecodeDims, state_dtype: torch.dtype,

@@ -77,7 +77,7 @@ def replayssm_decode_kernel(
     g_rows: torch.Tensor,  # g ring rows view [span, K]
     out3: torch.Tensor,  # [B, HV, V]
     slots: torch.Tensor,  # [B] int32
-    write_pos: torch.Tensor,  # [B] int32
+    write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
     force_flush: torch.Tensor,  # [B] int32 (zeros when the caller passed None)
     scale: float,
     lower_bound: float,
@@ -90,6 +90,7 @@ def replayssm_decode_kernel(
     value_chunk: hl.constexpr,
     use_l2norm: hl.constexpr,
     use_lower_bound: hl.constexpr,
+    cursors_by_slot: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -111,7 +112,10 @@ def replayssm_decode_kernel(
             rows = tv.begin + hl.arange(value_chunk)
             live = rows < tv.end
             S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-            cur = write_pos[row]
+            if cursors_by_slot:
+                cur = write_pos[s64]  # the pool's cursor table [S + 1]
+            else:
+                cur = write_pos[row]
             flush = (cur == ring_length - 1) | (force_flush[row] != 0)
             append = (cur != ring_length - 1) & (force_flush[row] == 0)  # not flush
             j = hl.arange(ring_block)

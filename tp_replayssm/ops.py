@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 
@@ -23,12 +24,25 @@ def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """Overlapping ``[span, last]`` view of a 4-D tensor with contiguous last dim, and its outer strides.
 
     Row ``r`` of the view is the ``last`` contiguous elements starting at element ``r`` of ``t``, so
-    element ``[i, j, l, :]`` of ``t`` is row ``i*s0 + j*s1 + l*s2``.
+    element ``[i, j, l, :]`` of ``t`` is row ``i*s0 + j*s1 + l*s2``. Cached per tensor object (the caches
+    are the same tensors every step): the entry dies with the tensor and is rebuilt if its data pointer,
+    shape or strides changed.
     """
+    key = id(t)
+    meta = (t.data_ptr(), t.shape, t.stride())
+    hit = _ROWS_VIEWS.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == meta:
+        return hit[2]
     s0, s1, s2, _ = t.stride()
     span = sum((n - 1) * s for n, s in zip(t.shape[:3], (s0, s1, s2))) + 1
-    rows = t.as_strided((span, t.shape[3]), (1, 1), t.storage_offset())
-    return rows, (s0, s1, s2)
+    # from a detached alias, so the cached view does not keep the key tensor alive
+    view = t.detach().as_strided((span, t.shape[3]), (1, 1), t.storage_offset()), (s0, s1, s2)
+    _ROWS_VIEWS[key] = (weakref.ref(t, lambda _, key=key: _ROWS_VIEWS.pop(key, None)), meta, view)
+    return view
+
+
+# id(tensor) -> (weakref to it, (data_ptr, shape, strides), (rows view, outer strides))
+_ROWS_VIEWS: dict[int, tuple] = {}
 
 
 def _interpreter_or_cuda(device: torch.device) -> None:
@@ -80,9 +94,29 @@ def replayssm_decode(
     ``d_cache [S, HV, L, V]``, ``k_cache [S, H, L, K]``, ``g_cache [S, HV, L, K]``,
     ``out [B, 1, HV, V]``, ``ssm_state_indices``/``write_pos``/``force_flush [B]`` int32.
     """
+    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False)
+
+
+def decode_with_cursor_table(
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+    scale: float | None, initial_state: torch.Tensor, d_cache: torch.Tensor, k_cache: torch.Tensor,
+    g_cache: torch.Tensor, out: torch.Tensor, ssm_state_indices: torch.Tensor, cursors: torch.Tensor,
+    force_flush: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replayssm_decode` with the cursors read by slot from a table ``cursors [S + 1]`` int32 (the
+    pool's; row ``b``'s cursor is ``cursors[ssm_state_indices[b]]``), so the caller gathers nothing."""
+    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                   ssm_state_indices, cursors, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
+
+
+def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,  # noqa: ANN001
+            ssm_state_indices, write_pos, force_flush, use_l2norm, lower_bound,
+            cursors_by_slot: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dims = validate_decode_inputs(
         mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-        ssm_state_indices, write_pos, force_flush, lower_bound,
+        ssm_state_indices, write_pos, force_flush, lower_bound, cursors_by_slot=cursors_by_slot,
     )
     device = mixed_qkv.device
     _interpreter_or_cuda(device)
@@ -91,7 +125,7 @@ def replayssm_decode(
     launch(dims, mixed_qkv, a, b, A_log, dt_bias, resolve_scale(scale, dims.key_dim), initial_state,
            d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
            _no_flush(dims.batch, device) if force_flush is None else force_flush,
-           bool(use_qk_l2norm_in_kernel), lower_bound)
+           bool(use_l2norm), lower_bound, cursors_by_slot)
     return out, initial_state
 
 
@@ -99,12 +133,12 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, initial_state: torch.Tensor,
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
-           use_l2norm: bool, lower_bound: float | None) -> None:
+           use_l2norm: bool, lower_bound: float | None, cursors_by_slot: bool = False) -> None:
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
     install_libdevice_shim()
     config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
     args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk)
+                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot)
     guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         _kernel.decode_kernel_for(config)(*args)
@@ -114,7 +148,8 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, initial_state: torch.Tensor,
                 d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
-                use_l2norm: bool, lower_bound: float | None, value_chunk: int) -> tuple:
+                use_l2norm: bool, lower_bound: float | None, value_chunk: int,
+                cursors_by_slot: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU)."""
     H, HV, K, V, L = dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
@@ -131,4 +166,4 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     lb = 0.0 if lower_bound is None else float(lower_bound)
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
-            L, ring_block, value_chunk, use_l2norm, lower_bound is not None)
+            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot)

@@ -16,8 +16,8 @@ tensor         shape                                dtype            meaning
                                                                      scratch entry padding rows hit
 =============  ===================================  ===============  ===============================
 
-The pool owns the cursors: :meth:`decode` gathers the rows' cursors on the device and passes them to
-the op as ``write_pos``; :meth:`advance`, once per model step after every layer decoded, moves them
+The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
+by slot (no gather); :meth:`advance`, once per model step after every layer decoded, moves them
 on the device (flushed -> 0, else +1) without a host sync, so a whole step is CUDA-graph capturable.
 Everything runs on ``pool.device`` whatever the current CUDA device is. Checks that need a
 device-to-host sync (slot ranges, allocation, duplicates, cursor range) run only in debug mode
@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import ops, placement
+from . import cursor_kernel, ops, placement
 from ._validation import CACHE_DTYPES, STATE_DTYPES
 from .heads import HeadShard, KDAHeads, shard_heads
 from .memory import PoolMemory, pool_memory
@@ -319,10 +319,9 @@ class ReplaySSMStatePool:
             self._check_ids(slots, "decode", (torch.int32,))
             if self.debug:
                 self._debug_check_slots(slots, "decode", allow_padding=True, unique=True)
-            write_pos = self.cursors.index_select(0, slots.clamp(0, self.num_slots))
-            ops.replayssm_decode(
+            ops.decode_with_cursor_table(
                 mixed_qkv, a, b, A_log, dt_bias, scale, views.checkpoint, views.d_cache, views.k_cache,
-                views.g_cache, out, slots, write_pos, force_flush=force_flush,
+                views.g_cache, out, slots, self.cursors, force_flush=force_flush,
                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
             )
         return out
@@ -332,7 +331,8 @@ class ReplaySSMStatePool:
         same ``slots [B]`` int32 and ``force_flush [B]`` int32 (or None) the step decoded with: a slot
         that flushed (cursor ``L-1`` or ``force_flush != 0``) goes to 0, any other to ``cursor + 1``.
         Padding rows (``slots < 0``) write the scratch entry; a slot listed twice gets one value (0 if
-        any of its rows flushed). Pure device ops: no host sync, CUDA-graph capturable."""
+        any of its rows flushed). No host sync, CUDA-graph capturable: on CUDA one kernel launch
+        (:mod:`tp_replayssm.cursor_kernel`), elsewhere a few torch ops."""
         self._check_ids(slots, "advance", (torch.int32,))
         B = slots.shape[0]
         if force_flush is not None:
@@ -344,13 +344,7 @@ class ReplaySSMStatePool:
         if self.debug:
             self._debug_check_slots(slots, "advance", allow_padding=True, unique=False)
         with self._guard():
-            idx = torch.where(slots >= 0, slots, self.num_slots).long()
-            cur = self.cursors.index_select(0, idx)
-            flushed = cur >= self.ring_length - 1
-            if force_flush is not None:
-                flushed = flushed | (force_flush != 0)
-            new = torch.where(flushed, torch.zeros_like(cur), cur + 1)
-            self.cursors.scatter_reduce_(0, idx, new, reduce="amin", include_self=False)
+            cursor_kernel.advance(self.cursors, slots, force_flush, self.ring_length)
 
     # ---- placement ------------------------------------------------------------------------------
 

@@ -1,0 +1,121 @@
+"""One-launch cursor advance for :meth:`tp_replayssm.pool.ReplaySSMStatePool.advance` (SPEC section 3).
+
+``advance`` runs once per model step inside the caller's CUDA graph; as a chain of small torch ops
+(where, index_select, compares, scatter_reduce: :func:`advance_torch`) it cost 17-29 us of graph time
+per step on the H200 (B = 8..16384), this kernel 1.2 us up to B = 512 (6.2 us at 16384). It is one
+Helion kernel with ONE program (one CTA) covering all ``B`` rows, in three phases:
+
+1. load ``slots [B]`` and ``force_flush [B]``; ``idx = slot if slot >= 0 else S`` (the scratch entry);
+   gather ``c = cursors[idx]``; ``flushed = c >= L-1 or force_flush != 0``;
+2. CTA barrier, so that no thread's store can land before another thread's gather of the same entry;
+   store ``0 if flushed else c+1`` at ``idx``. Rows listing the same slot read the same ``c``, so
+   they disagree only when some but not all of them flushed;
+3. CTA barrier, then store ``0`` at ``idx`` for the flushed rows: a slot listed twice ends at 0 if any
+   of its rows flushed, else ``c+1`` (the ``scatter_reduce(amin)`` of the torch path).
+
+The barriers are ``tl.debug_barrier()`` (``bar.sync``: it orders the CTA's global loads/stores), put
+in through ``hl.inline_triton``. That is why the grid must be a single program: rows in different
+CTAs could not be ordered. One CTA holds at most :data:`MAX_ROWS` rows (16 per thread at 32 warps);
+larger batches, and pools off CUDA, use the torch ops (:func:`advance_torch`). Each block size / warp
+count is one compiled kernel (cached); ``B`` itself is a runtime argument (``static_shapes=False``),
+so CUDA-graph batch sizes that share a power of two share a compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+import helion
+import helion.language as hl
+
+from .ops import _no_flush  # the cached all-zero force_flush (never written)
+
+__all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 16384  # one CTA: 32 warps x 32 threads x 16 rows; decode batches are far smaller
+_BARRIER = "tl.debug_barrier()"
+
+
+def cursor_advance_kernel(
+    cursors: torch.Tensor,  # [S + 1] int32, entry S is the scratch entry
+    slots: torch.Tensor,  # [B] int32, < 0 = padding
+    force_flush: torch.Tensor,  # [B] int32
+    ring_length: int,
+) -> torch.Tensor:
+    """Advance ``cursors`` in place for the rows ``slots`` (module docstring); one program."""
+    B = slots.size(0)
+    scratch = cursors.size(0) - 1
+    for tile_b in hl.tile(B):
+        slot = slots[tile_b]
+        idx = torch.where(slot >= 0, slot, scratch)
+        c = hl.load(cursors, [idx])
+        flushed = (c >= ring_length - 1) | (force_flush[tile_b] != 0)
+        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every gather before any store
+        hl.store(cursors, [idx], torch.where(flushed, 0, c + 1))
+        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every c+1 before the flush zeros
+        hl.store(cursors, [idx], torch.zeros_like(c), extra_mask=flushed)
+    return cursors
+
+
+_SETTINGS = dict(static_shapes=False, index_dtype=torch.int32)
+
+
+def launch_choice(batch: int) -> tuple[int, int]:
+    """``(block, num_warps)`` for ``batch`` rows (``1 <= batch <= MAX_ROWS``): block = next power of
+    two >= batch (at least 32); 4 warps up to 1024 rows, then one more warp per 256 rows (<= 32)."""
+    block = max(32, 1 << (batch - 1).bit_length())
+    return block, min(32, max(4, block // 256))
+
+
+@functools.lru_cache(maxsize=None)
+def advance_kernel_for(block: int, num_warps: int) -> helion.Kernel:
+    """The advance kernel pinned to one ``(block, num_warps)`` (one kernel object per pair)."""
+    config = helion.Config(block_sizes=[block], indexing="pointer", num_warps=num_warps, num_stages=1)
+    logger.debug("cursor advance kernel: block %d, %d warps", block, num_warps)
+    return helion.kernel(cursor_advance_kernel, config=config, **_SETTINGS)
+
+
+def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
+                   ring_length: int) -> None:
+    """One kernel launch: ``cursors [S+1]``, ``slots [B]``, ``force_flush [B]`` int32 (or None) on one
+    device, ``1 <= B <= MAX_ROWS``. No validation (the pool validates); the caller makes the device
+    current."""
+    B = slots.shape[0]
+    if force_flush is None:
+        force_flush = _no_flush(B, slots.device)
+    block, warps = launch_choice(B)
+    advance_kernel_for(block, warps)(cursors, slots, force_flush, ring_length)
+
+
+def advance_torch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
+                  ring_length: int) -> None:
+    """The same update as torch ops (CPU pools, ``B > MAX_ROWS``): the reference for the kernel."""
+    idx = torch.where(slots >= 0, slots, cursors.shape[0] - 1).long()
+    cur = cursors.index_select(0, idx)
+    flushed = cur >= ring_length - 1
+    if force_flush is not None:
+        flushed = flushed | (force_flush != 0)
+    new = torch.where(flushed, torch.zeros_like(cur), cur + 1)
+    cursors.scatter_reduce_(0, idx, new, reduce="amin", include_self=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_fallback(batch: int) -> None:  # once per batch size
+    logger.warning("cursor advance: %d rows > MAX_ROWS=%d, using the torch ops (several launches)", batch, MAX_ROWS)
+
+
+def advance(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
+            ring_length: int) -> None:
+    """The pool's dispatch: the kernel on CUDA for ``1 <= B <= MAX_ROWS``, else the torch ops."""
+    B = slots.shape[0]
+    if cursors.device.type == "cuda" and 0 < B <= MAX_ROWS:
+        advance_launch(cursors, slots, force_flush, ring_length)
+    elif B:
+        if cursors.device.type == "cuda":
+            _warn_fallback(B)
+        advance_torch(cursors, slots, force_flush, ring_length)
