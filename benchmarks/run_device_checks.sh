@@ -24,7 +24,4 @@ timeout 45 torchrun --standalone --nproc-per-node 1 benchmarks/bench_placement.p
 step "launcher --device cuda"
 timeout 60 torchrun --standalone --nproc-per-node 1 launch/decode.py --device cuda --shape kimi-linear --steps 12 \
   >> "$LOG" 2>&1; echo "rc=$?"; tail -14 "$LOG"
-step "maxnreg probe (register cap per thread, HV32 B512 fp32)"
-timeout 50 python3 benchmarks/tune_decode.py --hv 32 --batch 512 --state fp32 --cands 128:16:4:80 128:16:4:96 \
-  --budget-s 30 2>&1 | grep -E "us/step|FAILED" | cut -c1-600 | tee -a "$LOG"
-rm -f "$OUT"/*.png "$OUT"/tune.json
+rm -f "$OUT"/*.png
