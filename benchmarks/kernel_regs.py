@@ -26,9 +26,10 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 
 
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
-                     lower_bound: bool = False) -> dict[str, int]:
+                     lower_bound: bool = False, kernel_fn: object = None) -> dict[str, int]:
     """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
-    (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``)."""
+    (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
+    candidate kernel function with the same signature, default the library's)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -57,9 +58,9 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
                            zeros, True, lb, vc)
     warps = config.config["num_warps"]
-    code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
+    code = helion.kernel(kernel_fn or kernel.replayssm_decode_kernel, config=config, **getattr(sys.modules.get(getattr(kernel_fn, "__module__", ""), kernel), "_SETTINGS", kernel._SETTINGS)).bind(args) \
         .to_triton_code(config)
-    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    params = list(inspect.signature(kernel_fn or kernel.replayssm_decode_kernel).parameters)
     pointers = {name: "*" + _TRITON_DTYPE[str(arg.dtype)] for name, arg in zip(params, args)
                 if isinstance(arg, torch.Tensor)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +86,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
                                   options=dict(num_warps=warps, num_stages=1,
                                                **({"maxnreg": config.config["maxnreg"]}
                                                   if config.config.get("maxnreg") else {})))
-        if os.environ.get("KERNEL_REGS_DUMP"):  # debugging aid: keep the generated code and PTX
+        if os.environ.get("KERNEL_REGS_DUMP"):  # debugging aid: keep the generated code, PTX and SASS
             dump = Path(os.environ["KERNEL_REGS_DUMP"])
             dump.mkdir(parents=True, exist_ok=True)
             (dump / "kernel.py").write_text(code)
@@ -94,6 +95,9 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        if os.environ.get("KERNEL_REGS_DUMP"):
+            sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+            (Path(os.environ["KERNEL_REGS_DUMP"]) / "kernel.sass").write_text(sass)
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
     m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
@@ -112,11 +116,25 @@ def main() -> None:
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--replay-stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's")
+    ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
+                    "entries; the replay loop's stages go last)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from tp_replayssm import configs
     config = configs.launch_config(args.vt, args.warps, args.replay_stages, args.maxnreg)
-    r = kernel_resources(config, args.vc, args.state)
+    if args.loops != 3:
+        import helion
+        stages = ([0] * args.loops + [args.replay_stages])[-args.loops:] if args.loops else []
+        config = helion.Config(**{**config.config, "range_num_stages": stages})
+    kernel_fn = None
+    if args.kernel:
+        spec = importlib.util.spec_from_file_location("tp_replayssm_candidate_kernel", args.kernel)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # helion resolves the kernel's helper functions through it
+        spec.loader.exec_module(module)
+        kernel_fn = module.replayssm_decode_kernel
+    r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn)
     print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['local']} B local (spills)")
 

@@ -5,11 +5,15 @@ flushes) captured in a CUDA graph over disjoint slot sets (so the state streams 
 replayed round-robin; prints us/step (median of replays / L) per config and the best one.
 
     python benchmarks/tune_decode.py --hv 32 8 --batch 1 8 32 128 512 --state fp32 bf16
+
+``--kernel NAME=FILE`` (repeatable) also times candidate kernel functions (``replayssm_decode_kernel`` in
+FILE, same signature) with the same configs, e.g. variants that leave one stage out to see what it costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import json
 import os
@@ -105,6 +109,27 @@ def op_launch(choice: tuple[helion.Config, int] | None):
     return launch
 
 
+def use_kernel(path: str | None) -> None:
+    """Make the op launch ``replayssm_decode_kernel`` from ``path`` (None: the library's own kernel)."""
+    from tp_replayssm import kernel
+
+    if not hasattr(kernel, "_LIBRARY_KERNEL"):
+        kernel._LIBRARY_KERNEL = kernel.replayssm_decode_kernel
+    fn = kernel._LIBRARY_KERNEL
+    if path is not None:
+        name = "tp_replayssm_candidate_" + os.path.basename(path).removesuffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        import sys
+
+        sys.modules[name] = module  # helion resolves the kernel's helpers through its module
+        spec.loader.exec_module(module)
+        fn = module.replayssm_decode_kernel
+    kernel.replayssm_decode_kernel = fn
+    kernel._compiled.cache_clear()
+    kernel._BY_CONFIG.clear()
+
+
 _REPORTED: set = set()
 
 
@@ -141,11 +166,16 @@ def main() -> None:
     ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
                     help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
+    ap.add_argument("--speculative", choices=["auto", "on", "off"], default="auto",
+                    help="ring loads: the library's choice, or forced whole-ring (on) / live-entries-only (off)")
+    ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE",
+                    help="also time this candidate kernel file (repeatable); the library kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from tp_replayssm import configs
+    configs.FORCED_SPECULATIVE = {"auto": None, "on": True, "off": False}[args.speculative]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -163,18 +193,22 @@ def main() -> None:
                                    c[4] if len(c) > 4 else None), c[1])
             for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
-        for cfg in cands:
+        kernels = [("lib", None)] + [tuple(k.split("=", 1)) for k in args.kernel]
+        for (kname, kpath), cfg in itertools.product(kernels, cands):
+            use_kernel(kpath)
+            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
+                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][-1],
+                cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)
+            if kname != "lib":
+                name = f"{kname}:{name}"
             try:
                 us = time_cycle(prob, op_launch(cfg), args.ring)
             except Exception as exc:  # noqa: BLE001 - record and go on
-                print(f"HV={HV} B={B} {sname} {cfg and (cfg[0].config, cfg[1])}: FAILED {type(exc).__name__}: "
-                      f"{str(exc)[-300:]}", flush=True)
+                print(f"HV={HV} B={B} {sname} {name}: FAILED {type(exc).__name__}: {str(exc)[-300:]}", flush=True)
                 continue
-            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
-                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][2],
-                cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)
             rows.append(dict(HV=HV, B=B, state=sname, config=name, us=us))
             print(f"HV={HV:3d} B={B:4d} {sname} {name:12s} {us:9.2f} us/step", flush=True)
+        use_kernel(None)
         del prob
         torch.cuda.empty_cache()
         register_report()

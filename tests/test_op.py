@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tp_replayssm import ops, reference
+from tp_replayssm import configs, ops, reference
 from _decode_scenario import OUT_TOL, Scenario, run_scenario
 
 CASES = {
@@ -38,6 +38,26 @@ def test_kernel_matches_reference_and_plain_recurrence(name: str) -> None:
     assert worst.out_vs_plain64 <= limit, worst
     state_limit = 3e-2 if (sc.state_dtype == torch.bfloat16 or sc.cache_dtype == torch.bfloat16) else 1e-4
     assert worst.state_vs_plain64 <= state_limit, worst
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["live-entries", "whole-ring"])
+def test_both_ring_load_modes_ignore_dead_entries(speculative: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny batches load the whole ring before the cursor is known (configs.speculative_ring); the ring
+    entries past each cursor are NaN in the scenario, so a missing mask shows up as non-finite output."""
+    monkeypatch.setattr(configs, "FORCED_SPECULATIVE", speculative)
+    worst = run_scenario(CASES["gqa-bf16ring-fp32state"], ops.replayssm_decode)
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[torch.bfloat16], worst
+    assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
+
+
+def test_speculative_ring_loads_only_for_small_batches() -> None:
+    from tp_replayssm._validation import DecodeDims
+
+    dims = DecodeDims(batch=configs.SPECULATIVE_RING_BELOW // 4 - 1, num_q_heads=2, num_v_heads=4, key_dim=128,
+                      value_dim=128, ring_length=16, num_slots=1024)
+    assert configs.speculative_ring(dims)
+    assert not configs.speculative_ring(dataclasses.replace(dims, batch=configs.SPECULATIVE_RING_BELOW // 4))
 
 
 def test_reference_matches_plain_recurrence_tightly_in_fp32() -> None:

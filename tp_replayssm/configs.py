@@ -23,6 +23,12 @@ from ._validation import DecodeDims
 
 # Set by benchmarks/tune_decode.py to time a candidate (config, value_chunk); None in normal use.
 FORCED: tuple[helion.Config, int] | None = None
+# Set by tests and benchmarks/tune_decode.py to force the ring-load mode; None in normal use.
+FORCED_SPECULATIVE: bool | None = None
+
+# Whole-ring (speculative) loads below this many (row, value head) pairs: H200, 2026-11-29 (third session),
+# HV8 B1 4.54 -> 4.37 us/step; at HV32 B1 no change; at HV8 B8 / HV32 B8 slower (6.51 -> 7.20, 12.75 -> 13.14)
+SPECULATIVE_RING_BELOW = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,3 +66,14 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
     return launch_config(vt, warps, 2), min(chunk, vt)
+
+
+def speculative_ring(dims: DecodeDims) -> bool:
+    """Whether the kernel loads each program's whole ring (all ``L`` entries) without waiting for the
+    cursor, masking the entries past it afterwards. That takes one dependent memory round trip off a
+    program's critical path (slot, then cursor, then ring), which only the tiniest batches are bound by;
+    elsewhere the extra bytes and registers cost more than the round trip (measured: see
+    ``SPECULATIVE_RING_BELOW``), so the kernel loads only the live entries."""
+    if FORCED_SPECULATIVE is not None:
+        return FORCED_SPECULATIVE
+    return dims.batch * dims.num_v_heads < SPECULATIVE_RING_BELOW

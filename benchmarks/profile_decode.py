@@ -1,0 +1,44 @@
+"""Launch the decode op at one shape for Nsight Compute (``ncu``) to profile; GPU only.
+
+Builds the same problem as ``tune_decode.py`` (disjoint slot sets so the state streams from HBM),
+runs ``--warmup`` launches at ring cursor ``--cursor`` (compile + caches) and then ``--launches`` more;
+profile the later ones with ``ncu --kernel-name regex:replayssm --launch-skip <warmup>``.
+
+    ncu --clock-control none --kernel-name regex:replayssm --launch-skip 3 --launch-count 1 \
+        python benchmarks/profile_decode.py --hv 32 --batch 512 --state fp32 --cursor 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tune_decode import make_problem, op_launch  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hv", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--state", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--ring", type=int, default=16)
+    ap.add_argument("--cursor", type=int, default=8, help="ring cursor of every row (ring-1 = flush step)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--launches", type=int, default=2)
+    args = ap.parse_args()
+    if not 0 <= args.cursor < args.ring:
+        raise SystemExit(f"--cursor must be in [0, {args.ring}), got {args.cursor}")
+    sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
+    prob = make_problem(args.batch, args.hv, args.hv, args.ring, sdt, n_sets=args.warmup + args.launches)
+    launch = op_launch(None)
+    for i, slots in enumerate(prob["slot_sets"]):  # a fresh slot set per launch: state comes from HBM
+        launch(prob, slots, args.cursor)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
