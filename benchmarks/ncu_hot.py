@@ -19,39 +19,40 @@ def _num(text: str) -> float | None:
         return None
 
 
+def summarize(lines: list[str], top: int = 45) -> list[str]:
+    """The report's text lines for the CSV ``lines`` of ncu's SASS source page (banner lines are skipped)."""
+    reader = csv.reader([ln for ln in lines if ln.startswith('"')])
+    header = next(reader, [])
+    rows = [dict(zip(header, rec)) for rec in reader]  # extra trailing fields (ncu adds some) are dropped
+    if not rows:
+        return ["ncu_hot: no rows"]
+    cols = list(rows[0].keys())
+    numeric = [c for c in cols if all(_num(r.get(c) or "0") is not None for r in rows[:50])]
+    totals = {c: sum(_num(r.get(c) or "0") or 0.0 for r in rows) for c in numeric}
+    out = [f"ncu_hot: {len(rows)} SASS rows; columns with non-zero totals:"]
+    out += [f"  {c}: {t:.0f}" for c, t in totals.items() if t]
+    key = next((c for c in numeric if "Sampling (All" in c), None) or next((c for c in numeric if "Sampl" in c), None)
+    if key is None:
+        return out + [f"ncu_hot: no sampling column; columns: {cols}"]
+    src = next((c for c in cols if c.lower() == "source"), cols[1])
+    addr = next((c for c in cols if "address" in c.lower()), cols[0])
+    stall_cols = [c for c in numeric if c != key and totals[c] and ("stall" in c.lower() or "Sampl" in c)]
+    out.append(f"top {top} by {key} (share of {totals[key]:.0f}):")
+    for r in sorted(rows, key=lambda r: -(_num(r.get(key) or "0") or 0.0))[:top]:
+        v = _num(r.get(key) or "0") or 0.0
+        parts = [f"{c.split('(')[-1].rstrip(')')[:22]}={_num(r.get(c) or '0'):.0f}" for c in stall_cols
+                 if (_num(r.get(c) or "0") or 0) >= 0.1 * v and (_num(r.get(c) or "0") or 0) > 0]
+        out.append(f"{100 * v / max(totals[key], 1):5.1f}% {r[addr]:>6} {r[src][:70]:70s} {' '.join(parts)[:160]}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("csv_path")
     ap.add_argument("--top", type=int, default=45)
     args = ap.parse_args()
     with open(args.csv_path, newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]  # drop ncu's banner lines
-    reader = csv.reader(lines)
-    header = next(reader, [])
-    rows = [dict(zip(header, rec)) for rec in reader]  # extra trailing fields (ncu adds some) are dropped
-    if not rows:
-        print("ncu_hot: no rows in", args.csv_path)
-        return
-    cols = list(rows[0].keys())
-    numeric = [c for c in cols if all(_num(r.get(c) or "0") is not None for r in rows[:50])]
-    totals = {c: sum(_num(r.get(c) or "0") or 0.0 for r in rows) for c in numeric}
-    print(f"ncu_hot: {len(rows)} SASS rows; columns with non-zero totals:")
-    for c, t in totals.items():
-        if t:
-            print(f"  {c}: {t:.0f}")
-    key = next((c for c in numeric if "Sampling (All" in c), None) or next((c for c in numeric if "Sampl" in c), None)
-    if key is None:
-        print("ncu_hot: no sampling column; columns:", cols)
-        return
-    src = next((c for c in cols if c.lower() == "source"), cols[1])
-    addr = next((c for c in cols if "address" in c.lower()), cols[0])
-    stall_cols = [c for c in numeric if c != key and totals[c] and ("stall" in c.lower() or "Sampl" in c)]
-    print(f"\ntop {args.top} by {key} (share of {totals[key]:.0f}):")
-    for r in sorted(rows, key=lambda r: -(_num(r.get(key) or "0") or 0.0))[: args.top]:
-        v = _num(r.get(key) or "0") or 0.0
-        parts = [f"{c.split('(')[-1].rstrip(')')[:22]}={_num(r.get(c) or '0'):.0f}" for c in stall_cols
-                 if (_num(r.get(c) or "0") or 0) >= 0.1 * v and (_num(r.get(c) or "0") or 0) > 0]
-        print(f"{100 * v / max(totals[key], 1):5.1f}% {r[addr]:>6} {r[src][:70]:70s} {' '.join(parts)[:160]}")
+        print("\n".join(summarize(list(f), args.top)))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Timing-only variant (chunk loop without the ring-delta term); wrong results by design. See benchmarks/experiments/README.md."""
+"""Timing-only variant of tp_replayssm/kernel.py (chunk loop without the ring-delta term); wrong results by design. See benchmarks/experiments/README.md."""
 
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ def replayssm_decode_kernel(
     use_l2norm: hl.constexpr,
     use_lower_bound: hl.constexpr,
     cursors_by_slot: hl.constexpr,
+    speculative_ring: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -88,13 +89,18 @@ def replayssm_decode_kernel(
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
                 cur = write_pos[row]
-            flush = (cur == ring_length - 1) | (force_flush[row] != 0)
-            append = (cur != ring_length - 1) & (force_flush[row] == 0)  # not flush
+            forced = force_flush[row]
+            flush = (cur == ring_length - 1) | (forced != 0)
+            append = (cur != ring_length - 1) & (forced == 0)  # not flush
             j = hl.arange(ring_block)
             valid = (j < cur) & (j < ring_length)  # ring entries j < cursor are live
-            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=valid[:, None] & live[None, :])
-            g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=valid[:, None])
-            k_ring = hl.load(k_rows, [s64 * kr_s + h * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
+            if speculative_ring:  # load the whole ring without waiting for the cursor; `valid` masks it below
+                ring_mask = j < ring_length
+            else:  # load only the live entries (fewer bytes)
+                ring_mask = valid
+            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
+            g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
+            k_ring = hl.load(k_rows, [s64 * kr_s + h * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
             q, k = _qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
             x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)

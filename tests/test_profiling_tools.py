@@ -1,0 +1,101 @@
+"""The CPU-side profiling helpers in benchmarks/: the SASS instruction-mix reader (sass_loops.py), the
+Nsight Compute source-page summary (ncu_hot.py) and tune_decode's swap of the kernel function for a
+candidate file. Synthetic inputs with known answers; no GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import ncu_hot  # noqa: E402
+import sass_loops  # noqa: E402
+
+SASS = """
+        /*0000*/                   LDG.E R2, desc[UR4][R2.64] ;                 /* 0x0000000402027981 */
+        /*0010*/                   SHFL.BFLY PT, R5, R8, 0x10, 0x1f ;           /* 0x0e001f0008057f89 */
+        /*0020*/                   STS [UR6], R10 ;                             /* 0x0000000aff007988 */
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;                /* 0x0000000000007b1d */
+        /*0040*/                   LDS R46, [R60] ;                             /* 0x000000003c2e7984 */
+        /*0050*/                   FFMA R1, R2, R3, R4 ;                        /* 0x0000000000007b1d */
+        /*0060*/               @!P0 LDG.E.128 R52, desc[UR30][R4.64] ;         /* 0x0000001e04348981 */
+        /*0070*/                   MUFU.EX2 R16, R45 ;                          /* 0x0000002d00107308 */
+        /*0080*/               @P1 BRA 0x40 ;                                   /* 0x000000000014a947 */
+        /*0090*/                   EXIT ;                                       /* 0x000000000000794d */
+"""
+
+
+def test_sass_loops_counts_the_loop_body_between_target_and_backward_branch() -> None:
+    ins = sass_loops.parse(SASS)
+    assert [a for a, _ in ins] == list(range(0, 0xA0, 0x10))
+    assert sass_loops.opcode("@!P0 LDG.E.128 R52, desc[UR30][R4.64]") == "LDG"
+    whole = sass_loops.mix(ins)
+    assert whole.split()[0] == "10" and "BAR=1" in whole and "SHFL=1" in whole and "shared=2" in whole
+    loop = [x for x in ins if 0x40 <= x[0] <= 0x80]  # the @P1 BRA 0x40 at 0x80 closes a 5-instruction loop
+    assert sass_loops.mix(loop).split()[0] == "5"
+    assert "BAR=0" in sass_loops.mix(loop) and "global=1" in sass_loops.mix(loop) and "MUFU=1" in sass_loops.mix(loop)
+
+
+def test_sass_loops_main_reports_each_backward_branch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "k.sass"
+    f.write_text(SASS)
+    sys.argv = ["sass_loops.py", str(f)]
+    sass_loops.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("kernel:") and len(lines) == 2
+    assert lines[1].startswith("loop 0x0040-0x0080:") and " 5 instr" in lines[1]
+
+
+def test_ncu_hot_ranks_instructions_by_samples_and_tolerates_extra_fields() -> None:
+    csv_lines = [
+        "==PROF== banner line that is not CSV\n",
+        '"Address","Source","Warp Stall Sampling (All Samples)","stall_long_sb","stall_barrier"\n',
+        '"0x10","LDG.E R2, [R2]","30","27","0"\n',
+        '"0x20","BAR.SYNC 0x0","60","0","55","trailing field ncu adds"\n',
+        '"0x30","FFMA R1, R2, R3, R4","10","0","0"\n',
+    ]
+    out = ncu_hot.summarize(csv_lines, top=2)
+    assert "  Warp Stall Sampling (All Samples): 100" in out
+    ranked = [ln for ln in out if "%" in ln and "0x" in ln]
+    assert len(ranked) == 2
+    assert ranked[0].lstrip().startswith("60.0%") and "BAR.SYNC" in ranked[0] and "stall_barrier=55" in ranked[0]
+    assert ranked[1].lstrip().startswith("30.0%") and "stall_long_sb=27" in ranked[1]
+    assert ncu_hot.summarize(["not csv\n"]) == ["ncu_hot: no rows"]
+
+
+def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -> None:
+    import tune_decode
+
+    from tp_replayssm import kernel
+
+    original = kernel.replayssm_decode_kernel
+    candidate = tmp_path / "cand.py"
+    candidate.write_text("def replayssm_decode_kernel(*args):\n    return 'candidate'\n")
+    try:
+        tune_decode.use_kernel(str(candidate))
+        assert kernel.replayssm_decode_kernel is not original
+        assert kernel.replayssm_decode_kernel() == "candidate"
+        assert not kernel._BY_CONFIG
+    finally:
+        tune_decode.use_kernel(None)
+    assert kernel.replayssm_decode_kernel is original
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "experiments").glob("*.py")), ids=lambda p: p.stem)
+def test_experiment_kernels_keep_the_library_signature(path: Path) -> None:
+    """tune_decode.py --kernel passes the library's argument tuple to a candidate: same parameters."""
+    import importlib.util
+    import inspect
+
+    from tp_replayssm import kernel
+
+    spec = importlib.util.spec_from_file_location(f"experiment_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    want = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    assert list(inspect.signature(module.replayssm_decode_kernel).parameters) == want
