@@ -27,11 +27,11 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
-                     speculative: bool = False) -> dict[str, int]:
+                     tiny: bool = False) -> dict[str, int]:
     """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
-    candidate kernel function with the same signature, default the library's; ``speculative`` the
-    kernel's whole-ring load mode, as ``tp_replayssm.configs.speculative_ring`` picks it)."""
+    candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
+    tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -58,7 +58,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     dims = validate_decode_inputs(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, *caches, out, slots,
                                   zeros, zeros, lb)
     args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
-                           zeros, True, lb, vc, False, speculative)
+                           zeros, True, lb, vc, False, tiny)
     warps = config.config["num_warps"]
     code = helion.kernel(kernel_fn or kernel.replayssm_decode_kernel, config=config, **getattr(sys.modules.get(getattr(kernel_fn, "__module__", ""), kernel), "_SETTINGS", kernel._SETTINGS)).bind(args) \
         .to_triton_code(config)

@@ -166,8 +166,9 @@ def main() -> None:
     ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
                     help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
-    ap.add_argument("--speculative", choices=["auto", "on", "off"], default="auto",
-                    help="ring loads: the library's choice, or forced whole-ring (on) / live-entries-only (off)")
+    ap.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
+                    help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
+                         "or forced on / off")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE",
                     help="also time this candidate kernel file (repeatable); the library kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
@@ -175,7 +176,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from tp_replayssm import configs
-    configs.FORCED_SPECULATIVE = {"auto": None, "on": True, "off": False}[args.speculative]
+    configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []

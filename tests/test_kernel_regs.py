@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, torch
 from tp_replayssm._validation import DecodeDims
-from tp_replayssm.configs import select_config, speculative_ring
+from tp_replayssm.configs import select_config, tiny_batch
 from benchmarks.kernel_regs import kernel_resources
 out = []
 for batch, hv, state in ((512, 32, torch.float32), (512, 32, torch.bfloat16), (8, 32, torch.float32),
@@ -30,7 +30,7 @@ for batch, hv, state in ((512, 32, torch.float32), (512, 32, torch.bfloat16), (8
     dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
     config, chunk = select_config(dims, state, torch.device("cuda", 0))
     r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16",
-                         speculative=speculative_ring(dims))
+                         tiny=tiny_batch(dims))
     out.append(dict(batch=batch, hv=hv, state=str(state), vt=config.config["block_sizes"][0], vc=chunk,
                     warps=config.config["num_warps"], **r))
 print("RESULT " + json.dumps(out))

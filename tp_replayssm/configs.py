@@ -23,12 +23,13 @@ from ._validation import DecodeDims
 
 # Set by benchmarks/tune_decode.py to time a candidate (config, value_chunk); None in normal use.
 FORCED: tuple[helion.Config, int] | None = None
-# Set by tests and benchmarks/tune_decode.py to force the ring-load mode; None in normal use.
-FORCED_SPECULATIVE: bool | None = None
+# Set by tests and benchmarks/tune_decode.py to force the tiny-batch code path; None in normal use.
+FORCED_TINY_BATCH: bool | None = None
 
-# Whole-ring (speculative) loads below this many (row, value head) pairs: H200, 2026-11-29 (third session),
-# HV8 B1 4.54 -> 4.37 us/step; at HV32 B1 no change; at HV8 B8 / HV32 B8 slower (6.51 -> 7.20, 12.75 -> 13.14)
-SPECULATIVE_RING_BELOW = 16
+# The tiny-batch path below this many (row, value head) pairs. H200, 2026-11-29 (fourth session), us/step:
+# whole-ring loads HV8 B1 4.54 -> 4.37, HV32 B1 5.32 -> 5.32, HV8 B8 6.51 -> 7.20, HV32 B8 12.75 -> 13.14;
+# reverse-scan suffix sums HV8 B1 4.37 (forward 4.56), HV32 B8 12.76 (forward 11.93)
+TINY_BATCH_BELOW = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,12 +69,13 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
     return launch_config(vt, warps, 2), min(chunk, vt)
 
 
-def speculative_ring(dims: DecodeDims) -> bool:
-    """Whether the kernel loads each program's whole ring (all ``L`` entries) without waiting for the
-    cursor, masking the entries past it afterwards. That takes one dependent memory round trip off a
-    program's critical path (slot, then cursor, then ring), which only the tiniest batches are bound by;
-    elsewhere the extra bytes and registers cost more than the round trip (measured: see
-    ``SPECULATIVE_RING_BELOW``), so the kernel loads only the live entries."""
-    if FORCED_SPECULATIVE is not None:
-        return FORCED_SPECULATIVE
-    return dims.batch * dims.num_v_heads < SPECULATIVE_RING_BELOW
+def tiny_batch(dims: DecodeDims) -> bool:
+    """Whether a call takes the kernel's latency path (constexpr ``tiny_batch``): fewer than
+    ``TINY_BATCH_BELOW`` (row, value head) pairs, so one program's latency is the whole step. That path
+    loads each program's whole ring (all ``L`` entries) without waiting for the cursor and masks the
+    entries past it afterwards, one dependent memory round trip less, and takes the ring's suffix sums
+    as a reverse scan. Elsewhere the kernel loads only the live entries and uses the forward scan (fewer
+    bytes, registers and instructions); both choices were measured (see ``TINY_BATCH_BELOW``)."""
+    if FORCED_TINY_BATCH is not None:
+        return FORCED_TINY_BATCH
+    return dims.batch * dims.num_v_heads < TINY_BATCH_BELOW

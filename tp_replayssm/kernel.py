@@ -6,8 +6,9 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
 1. issues the loads of its first value chunk of the checkpoint (``[Vc, K]``) and of the ring deltas,
    then computes, once, what depends on K only: q/k of head ``h`` (optionally l2-normalized), the
    gate ``g [K]``, ``eg = exp(g)``, ``beta``; from the ring's valid entries ``j < c`` (read once,
-   masked) the decayed keys ``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (a reverse cumulative
-   sum) and ``tot = sum_{j<c} g_j``; and the ring weights ``wk = kdec @ (eg*k)``, ``wq = kdec @ (eg*q)``;
+   masked) the decayed keys ``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (a suffix sum, taken as
+   the total minus a forward cumulative sum) and ``tot = sum_{j<c} g_j``; and the ring weights
+   ``wk = kdec @ (eg*k)``, ``wq = kdec @ (eg*q)``;
 2. walks its value tile chunk by chunk, the next chunk's loads in flight while the current one is
    reduced. The state is never materialized on the every-step path:
    ``S' @ k = S0 @ (exp(tot)*eg*k) + D^T wk`` and likewise for q, two mat-vec products per chunk.
@@ -56,7 +57,21 @@ def _gate_math(x: torch.Tensor, A_log: torch.Tensor, lower_bound: float, use_low
 
 
 def _decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor):
-    """``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (zero for j >= c) and ``tot = sum_{j<c} g_j [K]``."""
+    """``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (zero for j >= c) and ``tot = sum_{j<c} g_j [K]``.
+
+    The suffix sum is ``tot - (inclusive prefix sum)``: a forward scan. A reverse ``hl.cumsum`` costs
+    Triton two flips of the tile across lanes and warps (~160 shuffles, ~150 instructions per program);
+    the subtraction's rounding is ``2^-24 * |tot|`` absolute, on exponents whose weights ``exp(after)``
+    are at most 1. H200: 2.5-6.5% faster from B = 8 up (benchmarks/RESULTS.md, fourth session)."""
+    g_ring = torch.where(valid[:, None], g_ring, 0.0)
+    after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)  # sum of the valid entries after j
+    kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
+    return kdec, torch.sum(g_ring, dim=0)
+
+
+def _decayed_keys_reverse_scan(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor):
+    """:func:`_decayed_keys` with the suffix sum as a reverse ``hl.cumsum``: more instructions, but
+    measured faster at B = 1 (4.37 against 4.56 us at HV = 8), where one program's latency is the step."""
     g_ring = torch.where(valid[:, None], g_ring, 0.0)
     after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j
     kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
@@ -91,7 +106,7 @@ def replayssm_decode_kernel(
     use_l2norm: hl.constexpr,
     use_lower_bound: hl.constexpr,
     cursors_by_slot: hl.constexpr,
-    speculative_ring: hl.constexpr,
+    tiny_batch: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -122,7 +137,7 @@ def replayssm_decode_kernel(
             append = (cur != ring_length - 1) & (forced == 0)  # not flush
             j = hl.arange(ring_block)
             valid = (j < cur) & (j < ring_length)  # ring entries j < cursor are live
-            if speculative_ring:  # load the whole ring without waiting for the cursor; `valid` masks it below
+            if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below
                 ring_mask = j < ring_length
             else:  # load only the live entries (fewer bytes)
                 ring_mask = valid
@@ -134,7 +149,10 @@ def replayssm_decode_kernel(
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
             beta = torch.sigmoid(b2[row, hv].to(torch.float32))
             eg = torch.exp(g)
-            kdec, tot = _decayed_keys(g_ring, k_ring, valid)
+            if tiny_batch:
+                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)
+            else:
+                kdec, tot = _decayed_keys(g_ring, k_ring, valid)
             xk = eg * k
             xq = eg * q
             wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]

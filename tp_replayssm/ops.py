@@ -17,7 +17,7 @@ import torch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
 from ._validation import DecodeDims, resolve_scale, validate_decode_inputs
-from .configs import select_config, speculative_ring
+from .configs import select_config, tiny_batch
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -139,7 +139,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
     args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
                        slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot,
-                       speculative_ring(dims))
+                       tiny_batch(dims))
     guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
     with guard:
         _kernel.decode_kernel_for(config)(*args)
@@ -150,7 +150,7 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
-                cursors_by_slot: bool = False, speculative: bool = False) -> tuple:
+                cursors_by_slot: bool = False, tiny: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU)."""
     H, HV, K, V, L = dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
@@ -167,4 +167,4 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     lb = 0.0 if lower_bound is None else float(lower_bound)
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
-            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, speculative)
+            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny)

@@ -63,7 +63,7 @@ def replayssm_decode_kernel(
     use_l2norm: hl.constexpr,
     use_lower_bound: hl.constexpr,
     cursors_by_slot: hl.constexpr,
-    speculative_ring: hl.constexpr,
+    tiny_batch: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -96,7 +96,7 @@ def replayssm_decode_kernel(
             append = (cur != ring_length - 1) & (forced == 0)  # not flush
             j = hl.arange(ring_block)
             valid = (j < cur) & (j < ring_length)  # ring entries j < cursor are live
-            if speculative_ring:  # load the whole ring without waiting for the cursor; `valid` masks it below
+            if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below
                 ring_mask = j < ring_length
             else:  # load only the live entries (fewer bytes)
                 ring_mask = valid

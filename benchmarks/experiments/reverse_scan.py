@@ -1,0 +1,181 @@
+"""Candidate kernel: the library kernel of 28b41a1, with the ring suffix sums as a reverse ``hl.cumsum`` (Triton flips the tile around a forward scan: ~160 extra shuffles); correct math. See benchmarks/experiments/README.md."""
+
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import helion
+import helion.language as hl
+
+
+def _qk_math(q: torch.Tensor, k: torch.Tensor, scale: float, use_l2norm: bool):
+    """Scaled q and k (fp32 ``[K]``), l2-normalized when asked."""
+    if use_l2norm:
+        q = q * torch.rsqrt(torch.sum(q * q, dim=0) + 1e-6)
+        k = k * torch.rsqrt(torch.sum(k * k, dim=0) + 1e-6)
+    return q * scale, k
+
+
+def _gate_math(x: torch.Tensor, A_log: torch.Tensor, lower_bound: float, use_lower_bound: bool) -> torch.Tensor:
+    """Log-gate ``g [K]`` from ``x = a + dt_bias`` (fp32 ``[K]``) and the head's scalar ``A_log``."""
+    A = torch.exp(A_log)
+    if use_lower_bound:
+        return lower_bound * torch.sigmoid(A * x)
+    return -A * torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
+
+
+def _decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor):
+    """``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (zero for j >= c) and ``tot = sum_{j<c} g_j [K]``."""
+    g_ring = torch.where(valid[:, None], g_ring, 0.0)
+    after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j
+    kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
+    return kdec, torch.sum(g_ring, dim=0)
+
+
+def replayssm_decode_kernel(
+    q3: torch.Tensor,  # [B, H, K] view into mixed_qkv
+    k3: torch.Tensor,  # [B, H, K]
+    v3: torch.Tensor,  # [B, HV, V]
+    a3: torch.Tensor,  # [B, HV, K]
+    b2: torch.Tensor,  # [B, HV]
+    A_log: torch.Tensor,  # [HV] fp32
+    dt_bias2: torch.Tensor,  # [HV, K] fp32
+    state_rows: torch.Tensor,  # checkpoint rows view [span, K]
+    d_rows: torch.Tensor,  # d ring rows view [span, V]
+    k_rows: torch.Tensor,  # k ring rows view [span, K]
+    g_rows: torch.Tensor,  # g ring rows view [span, K]
+    out3: torch.Tensor,  # [B, HV, V]
+    slots: torch.Tensor,  # [B] int32
+    write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
+    force_flush: torch.Tensor,  # [B] int32 (zeros when the caller passed None)
+    scale: float,
+    lower_bound: float,
+    st_s: int, st_h: int, st_v: int,  # checkpoint element strides (slot, head, value row)
+    dr_s: int, dr_h: int, dr_l: int,  # d ring strides (slot, head, ring pos)
+    kr_s: int, kr_h: int, kr_l: int,  # k ring strides
+    gr_s: int, gr_h: int, gr_l: int,  # g ring strides
+    ring_length: hl.constexpr,
+    ring_block: hl.constexpr,
+    value_chunk: hl.constexpr,
+    use_l2norm: hl.constexpr,
+    use_lower_bound: hl.constexpr,
+    cursors_by_slot: hl.constexpr,
+    tiny_batch: hl.constexpr,
+) -> torch.Tensor:
+    """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
+    B = q3.size(0)
+    H = hl.specialize(q3.size(1))
+    HV = hl.specialize(v3.size(1))
+    V = hl.specialize(v3.size(2))
+    group = HV // H
+    for tile_b, tile_h, tile_r, tv in hl.tile([B, H, group, V], block_size=[1, 1, 1, None]):
+        row = tile_b.begin
+        h = tile_h.begin
+        sub = tile_r.begin  # value head hv = h*group + sub reads q/k head h
+        hv = h * group + sub
+        slot = slots[row]
+        if slot >= 0:
+            s64 = slot.to(torch.int64)
+            st_base = s64 * st_s + hv * st_h
+            dr_base = s64 * dr_s + hv * dr_h
+            # first value chunk's loads go out now, so their latency overlaps the ring math below
+            rows = tv.begin + hl.arange(value_chunk)
+            live = rows < tv.end
+            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+            if cursors_by_slot:
+                cur = write_pos[s64]  # the pool's cursor table [S + 1]
+            else:
+                cur = write_pos[row]
+            forced = force_flush[row]
+            flush = (cur == ring_length - 1) | (forced != 0)
+            append = (cur != ring_length - 1) & (forced == 0)  # not flush
+            j = hl.arange(ring_block)
+            valid = (j < cur) & (j < ring_length)  # ring entries j < cursor are live
+            if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below
+                ring_mask = j < ring_length
+            else:  # load only the live entries (fewer bytes)
+                ring_mask = valid
+            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
+            g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
+            k_ring = hl.load(k_rows, [s64 * kr_s + h * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
+            q, k = _qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
+            x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
+            g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
+            beta = torch.sigmoid(b2[row, hv].to(torch.float32))
+            eg = torch.exp(g)
+            kdec, tot = _decayed_keys(g_ring, k_ring, valid)
+            xk = eg * k
+            xq = eg * q
+            wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
+            wq = torch.sum(kdec * xq[None, :], dim=1)
+            et = torch.exp(tot)
+            ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
+            aq = et * xq
+            kq = torch.sum(k * q, dim=0)
+            for chunk in hl.grid(tv.begin, tv.end, value_chunk):
+                rows = chunk + hl.arange(value_chunk)
+                live = rows < tv.end
+                S0 = S_next.to(torch.float32)  # [Vc, K]
+                d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                # prefetch the next chunk (fully masked after the last one)
+                after_rows = rows + value_chunk
+                more = after_rows < tv.end
+                S_next = hl.load(state_rows, [st_base + after_rows * st_v, slice(None)], extra_mask=more[:, None])
+                d_next = hl.load(d_rows, [dr_base + j * dr_l, after_rows], extra_mask=valid[:, None] & more[None, :])
+                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)
+                spq = torch.sum(S0 * aq[None, :], dim=1) + torch.sum(d_ring * wq[:, None], dim=0)
+                v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                delta = beta * (v_c - spk)
+                hl.store(out3, [row, hv, rows], (spq + delta * kq).to(out3.dtype), extra_mask=live)
+                if flush:  # Snew = S0*exp(tot+g) + sum_j d_j (outer) k_j*exp(sum_{j<i<=c} g_i) + delta (outer) k
+                    S_new = S0 * (et * eg)[None, :] + delta[:, None] * k[None, :]
+                    decay = g  # log-decay from entry j to the new state, built newest to oldest
+                    for back in hl.grid(cur):
+                        jr = cur - 1 - back
+                        k_j = k_rows[s64 * kr_s + h * kr_h + jr * kr_l, :].to(torch.float32)
+                        d_j = hl.load(d_rows, [dr_base + jr * dr_l, rows], extra_mask=live).to(torch.float32)
+                        S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
+                        decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
+                    hl.store(state_rows, [st_base + rows * st_v, slice(None)], S_new.to(state_rows.dtype),
+                             extra_mask=live[:, None])
+                else:
+                    hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
+            if append & (tv.begin == 0):
+                g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
+                if sub == 0:
+                    k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+        else:
+            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
+    return out3
+
+
+# No matrix products: every reduction is an fp32 sum in registers (no tf32 rounding anywhere).
+_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(config_items: tuple[tuple[str, object], ...]) -> helion.Kernel:
+    config = helion.Config(**{k: list(v) if isinstance(v, tuple) else v for k, v in config_items})
+    return helion.kernel(replayssm_decode_kernel, config=config, **_SETTINGS)
+
+
+def _key(config: helion.Config) -> tuple[tuple[str, object], ...]:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.config.items()))
+
+
+# hot-path cache by config object identity (the pinned configs are module constants); the config is
+# kept in the value so its id cannot be reused by another object
+_BY_CONFIG: dict[int, tuple[helion.Config, helion.Kernel]] = {}
+
+
+def decode_kernel_for(config: helion.Config) -> helion.Kernel:
+    """The decode kernel pinned to ``config`` (one compiled kernel object per distinct config)."""
+    hit = _BY_CONFIG.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    kern = _compiled(_key(config))
+    _BY_CONFIG[id(config)] = (config, kern)
+    return kern
