@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--replay-stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
-    ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's")
+    ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's, "
+                    "or variant:NAME (benchmarks/experiments/variants.py)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
                     "entries; the replay loop's stages go last)")
     args = ap.parse_args()
@@ -131,11 +132,10 @@ def main() -> None:
         config = helion.Config(**{**config.config, "range_num_stages": stages})
     kernel_fn = None
     if args.kernel:
-        spec = importlib.util.spec_from_file_location("tp_replayssm_candidate_kernel", args.kernel)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # helion resolves the kernel's helper functions through it
-        spec.loader.exec_module(module)
-        kernel_fn = module.replayssm_decode_kernel
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from experiments.variants import load_kernel
+
+        kernel_fn = load_kernel(args.kernel)
     r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn)
     print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['local']} B local (spills)")

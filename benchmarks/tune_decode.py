@@ -7,13 +7,13 @@ replayed round-robin; prints us/step (median of replays / L) per config and the 
     python benchmarks/tune_decode.py --hv 32 8 --batch 1 8 32 128 512 --state fp32 bf16
 
 ``--kernel NAME=FILE`` (repeatable) also times candidate kernel functions (``replayssm_decode_kernel`` in
-FILE, same signature) with the same configs, e.g. variants that leave one stage out to see what it costs.
+FILE, same signature; ``variant:NAME`` for one of ``benchmarks/experiments/variants.py``) with the same
+configs, e.g. variants that leave one stage out to see what it costs.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -109,23 +109,16 @@ def op_launch(choice: tuple[helion.Config, int] | None):
     return launch
 
 
-def use_kernel(path: str | None) -> None:
-    """Make the op launch ``replayssm_decode_kernel`` from ``path`` (None: the library's own kernel)."""
+def use_kernel(spec: str | None) -> None:
+    """Make the op launch ``replayssm_decode_kernel`` from ``spec`` (a file, or ``variant:NAME`` of
+    ``benchmarks/experiments/variants.py``; None: the library's own kernel)."""
+    from experiments.variants import load_kernel
+
     from tp_replayssm import kernel
 
     if not hasattr(kernel, "_LIBRARY_KERNEL"):
         kernel._LIBRARY_KERNEL = kernel.replayssm_decode_kernel
-    fn = kernel._LIBRARY_KERNEL
-    if path is not None:
-        name = "tp_replayssm_candidate_" + os.path.basename(path).removesuffix(".py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        import sys
-
-        sys.modules[name] = module  # helion resolves the kernel's helpers through its module
-        spec.loader.exec_module(module)
-        fn = module.replayssm_decode_kernel
-    kernel.replayssm_decode_kernel = fn
+    kernel.replayssm_decode_kernel = kernel._LIBRARY_KERNEL if spec is None else load_kernel(spec)
     kernel._compiled.cache_clear()
     kernel._BY_CONFIG.clear()
 
@@ -170,7 +163,8 @@ def main() -> None:
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
                          "or forced on / off")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE",
-                    help="also time this candidate kernel file (repeatable); the library kernel is 'lib'")
+                    help="also time this candidate kernel file or variant:NAME (repeatable); the library "
+                         "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():

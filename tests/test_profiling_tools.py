@@ -85,17 +85,25 @@ def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -
     assert kernel.replayssm_decode_kernel is original
 
 
-@pytest.mark.parametrize("path", sorted((REPO / "benchmarks" / "experiments").glob("*.py")), ids=lambda p: p.stem)
-def test_experiment_kernels_keep_the_library_signature(path: Path) -> None:
-    """tune_decode.py --kernel passes the library's argument tuple to a candidate: same parameters."""
-    import importlib.util
+from experiments import variants  # noqa: E402
+
+
+@pytest.mark.parametrize("name", sorted(variants.VARIANTS))
+def test_each_kernel_variant_applies_and_keeps_the_library_signature(name: str, tmp_path: Path) -> None:
+    """tune_decode.py --kernel passes the library's argument tuple to a variant: every edit must still
+    fit the current kernel (exactly once) and the parameters must not change."""
     import inspect
 
     from tp_replayssm import kernel
 
-    spec = importlib.util.spec_from_file_location(f"experiment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    want = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-    assert list(inspect.signature(module.replayssm_decode_kernel).parameters) == want
+    text = variants.source(name)
+    assert "VARIANT" in text or "dot_precision" in text
+    fn = variants.load_kernel(str(variants.materialize(name, tmp_path)))
+    assert list(inspect.signature(fn).parameters) == list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+
+
+def test_kernel_variant_that_no_longer_fits_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown variant"):
+        variants.source("no_such_variant")
+    with pytest.raises(ValueError, match="found it 0 times"):
+        variants.source("no_replay", kernel_source='"""doc"""\ndef replayssm_decode_kernel():\n    pass\n')

@@ -1,0 +1,137 @@
+"""Candidate and leave-one-stage-out variants of the decode kernel, as edits of its source.
+
+Each variant is a list of ``(old, new)`` text replacements applied to ``tp_replayssm/kernel.py`` as it
+is now; every ``old`` must occur exactly once, so a variant that no longer fits the kernel fails loudly
+instead of timing something else. :func:`materialize` writes the edited module to a file that
+``benchmarks/tune_decode.py --kernel NAME=variant:NAME`` and ``benchmarks/kernel_regs.py --kernel
+variant:NAME`` load in place of the library kernel (same signature, same argument tuple).
+
+    python benchmarks/experiments/variants.py            # list the variants
+    python benchmarks/experiments/variants.py no_scan    # write it, print the file's path
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+KERNEL = Path(__file__).resolve().parents[2] / "tp_replayssm" / "kernel.py"
+
+_FORWARD_SCAN = "    after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)  # sum of the valid entries after j"
+_REVERSE_SCAN = "    after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j"
+_BATCH_KEYS = "                kdec, tot = _decayed_keys(g_ring, k_ring, valid)"
+_TINY_KEYS = "                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)"
+_SETTINGS = "_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """``edits`` applied in order; ``timing_only``: the results are wrong by design (a stage left out)."""
+
+    doc: str
+    edits: tuple[tuple[str, str], ...]
+    timing_only: bool
+
+
+VARIANTS: dict[str, Variant] = {
+    "no_scan": Variant("the ring gates' suffix sums left out (both scan forms replaced by the gates)", (
+        (_FORWARD_SCAN, "    after = g_ring  # VARIANT: no scan"),
+        (_REVERSE_SCAN, "    after = g_ring  # VARIANT: no scan"),
+    ), True),
+    "no_ring_prologue": Variant("the decayed keys set to zero: no ring loads or decays in the prologue", (
+        (_TINY_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
+        (_BATCH_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
+    ), True),
+    "no_chunk_ring": Variant("the per-chunk ring term dropped (the ring prologue becomes dead code too)", (
+        ("                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)\n"
+         "                spq = torch.sum(S0 * aq[None, :], dim=1) + torch.sum(d_ring * wq[:, None], dim=0)",
+         "                spk = torch.sum(S0 * ak[None, :], dim=1)  # VARIANT: no ring term per chunk\n"
+         "                spq = torch.sum(S0 * aq[None, :], dim=1)"),
+    ), True),
+    "no_replay": Variant("flush rows skip the ring replay", (
+        ("                    for back in hl.grid(cur):",
+         "                    for back in hl.grid(cur * 0):  # VARIANT: no replay"),
+    ), True),
+    "reverse_scan": Variant("the batch path's suffix sums as a reverse hl.cumsum (the kernel of 28b41a1)", (
+        (_BATCH_KEYS, "                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)  # VARIANT"),
+    ), False),
+    "dot_suffix_sum": Variant("the batch path's suffix sums as a 3xTF32 tensor-core product with a 0/1 "
+                              "upper-triangular matrix", (
+        (_FORWARD_SCAN,
+         "    jr = hl.arange(g_ring.size(0))  # VARIANT: suffix sums on tensor cores\n"
+         "    upper = (jr[None, :] > jr[:, None]).to(torch.float32)  # upper[j, i] = 1 for i > j\n"
+         "    after = hl.dot(upper, g_ring)"),
+        (_SETTINGS, _SETTINGS[:-1] + ', dot_precision="tf32x3")'),
+    ), False),
+    "prefetch2": Variant("two value chunks of the checkpoint in flight instead of one", (
+        ("            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])",
+         "            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])\n"
+         "            rows2 = rows + value_chunk  # VARIANT: second chunk in flight\n"
+         "            S_next2 = hl.load(state_rows, [st_base + rows2 * st_v, slice(None)],"
+         " extra_mask=(rows2 < tv.end)[:, None])"),
+        ("                S_next = hl.load(state_rows, [st_base + after_rows * st_v, slice(None)],"
+         " extra_mask=more[:, None])",
+         "                S_next = S_next2\n"
+         "                rows2 = rows + 2 * value_chunk\n"
+         "                S_next2 = hl.load(state_rows, [st_base + rows2 * st_v, slice(None)],"
+         " extra_mask=(rows2 < tv.end)[:, None])"),
+    ), False),
+}
+
+
+def source(name: str, kernel_source: str | None = None) -> str:
+    """The kernel module's source with variant ``name``'s edits applied (ValueError if one does not fit)."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; expected one of {sorted(VARIANTS)}")
+    text = KERNEL.read_text() if kernel_source is None else kernel_source
+    v = VARIANTS[name]
+    for old, new in v.edits:
+        if text.count(old) != 1:
+            raise ValueError(f"variant {name!r}: expected the text {old.strip()[:60]!r} once in the kernel, "
+                             f"found it {text.count(old)} times (the kernel changed: update the variant)")
+        text = text.replace(old, new)
+    kind = "TIMING ONLY, wrong results by design" if v.timing_only else "correct math"
+    return f'"""Variant {name!r} of tp_replayssm/kernel.py: {v.doc} ({kind})."""\n' + text.split('"""', 2)[2]
+
+
+def materialize(name: str, out_dir: str | Path | None = None) -> Path:
+    """Write variant ``name`` as ``<out_dir>/variant_<name>.py`` (a temporary folder by default)."""
+    out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="tp_replayssm_variant_"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"variant_{name}.py"
+    path.write_text(source(name))
+    return path
+
+
+def load_kernel(spec: str) -> Any:
+    """``replayssm_decode_kernel`` from ``spec``: ``variant:NAME`` (written by :func:`materialize`) or
+    the path of a file that defines it. The module is registered in ``sys.modules`` (Helion resolves
+    the kernel's helper functions through it)."""
+    path = materialize(spec.split(":", 1)[1]) if spec.startswith("variant:") else Path(spec)
+    name = "tp_replayssm_candidate_" + path.stem
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    module_spec.loader.exec_module(module)
+    return module.replayssm_decode_kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.name is None:
+        for name, v in VARIANTS.items():
+            print(f"{name:18s} {'timing only' if v.timing_only else 'correct':12s} {v.doc}")
+        return
+    print(materialize(args.name, args.out))
+
+
+if __name__ == "__main__":
+    main()
