@@ -60,9 +60,10 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
                            zeros, True, lb, vc, False, tiny)
     warps = config.config["num_warps"]
-    code = helion.kernel(kernel_fn or kernel.replayssm_decode_kernel, config=config, **getattr(sys.modules.get(getattr(kernel_fn, "__module__", ""), kernel), "_SETTINGS", kernel._SETTINGS)).bind(args) \
-        .to_triton_code(config)
-    params = list(inspect.signature(kernel_fn or kernel.replayssm_decode_kernel).parameters)
+    kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
+    settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own
+    code = helion.kernel(kernel_fn, config=config, **settings).bind(args).to_triton_code(config)
+    params = list(inspect.signature(kernel_fn).parameters)
     pointers = {name: "*" + _TRITON_DTYPE[str(arg.dtype)] for name, arg in zip(params, args)
                 if isinstance(arg, torch.Tensor)}
     with tempfile.TemporaryDirectory() as tmp:
