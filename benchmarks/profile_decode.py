@@ -35,7 +35,7 @@ def main() -> None:
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
     prob = make_problem(args.batch, args.hv, args.hv, args.ring, sdt, n_sets=args.warmup + args.launches)
     launch = op_launch(None)
-    for i, slots in enumerate(prob["slot_sets"]):  # a fresh slot set per launch: state comes from HBM
+    for slots in prob["slot_sets"]:  # a fresh slot set per launch: state comes from HBM
         launch(prob, slots, args.cursor)
         torch.cuda.synchronize()
 

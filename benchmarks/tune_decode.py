@@ -109,18 +109,18 @@ def op_launch(choice: tuple[helion.Config, int] | None):
     return launch
 
 
-def use_kernel(spec: str | None) -> None:
-    """Make the op launch ``replayssm_decode_kernel`` from ``spec`` (a file, or ``variant:NAME`` of
-    ``benchmarks/experiments/variants.py``; None: the library's own kernel)."""
-    from experiments.variants import load_kernel
-
+def use_kernel(fn=None) -> None:  # noqa: ANN001 - a Helion kernel function
+    """Make the op launch the kernel function ``fn`` (None: the library's own kernel), e.g. one loaded
+    by ``experiments.variants.load_kernel``; the compiled-kernel caches are dropped on a change."""
     from tp_replayssm import kernel
 
     if not hasattr(kernel, "_LIBRARY_KERNEL"):
         kernel._LIBRARY_KERNEL = kernel.replayssm_decode_kernel
-    kernel.replayssm_decode_kernel = kernel._LIBRARY_KERNEL if spec is None else load_kernel(spec)
-    kernel._compiled.cache_clear()
-    kernel._BY_CONFIG.clear()
+    fn = kernel._LIBRARY_KERNEL if fn is None else fn
+    if kernel.replayssm_decode_kernel is not fn:
+        kernel.replayssm_decode_kernel = fn
+        kernel._compiled.cache_clear()
+        kernel._BY_CONFIG.clear()
 
 
 _REPORTED: set = set()
@@ -169,8 +169,11 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
+    from experiments.variants import load_kernel
+
     from tp_replayssm import configs
     configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
+    kernels = [("lib", None)] + [(name, load_kernel(spec)) for name, spec in (k.split("=", 1) for k in args.kernel)]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     rows = []
@@ -188,9 +191,8 @@ def main() -> None:
                                    c[4] if len(c) > 4 else None), c[1])
             for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
-        kernels = [("lib", None)] + [tuple(k.split("=", 1)) for k in args.kernel]
-        for (kname, kpath), cfg in itertools.product(kernels, cands):
-            use_kernel(kpath)
+        for (kname, kfn), cfg in itertools.product(kernels, cands):
+            use_kernel(kfn)
             name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
                 cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][-1],
                 cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)

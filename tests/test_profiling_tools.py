@@ -69,6 +69,7 @@ def test_ncu_hot_ranks_instructions_by_samples_and_tolerates_extra_fields() -> N
 
 def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -> None:
     import tune_decode
+    from experiments.variants import load_kernel
 
     from tp_replayssm import kernel
 
@@ -76,10 +77,11 @@ def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -
     candidate = tmp_path / "cand.py"
     candidate.write_text("def replayssm_decode_kernel(*args):\n    return 'candidate'\n")
     try:
-        tune_decode.use_kernel(str(candidate))
+        kernel._BY_CONFIG[0] = ("stale", "entry")
+        tune_decode.use_kernel(load_kernel(str(candidate)))
         assert kernel.replayssm_decode_kernel is not original
         assert kernel.replayssm_decode_kernel() == "candidate"
-        assert not kernel._BY_CONFIG
+        assert not kernel._BY_CONFIG  # compiled kernels of the previous function are dropped
     finally:
         tune_decode.use_kernel(None)
     assert kernel.replayssm_decode_kernel is original

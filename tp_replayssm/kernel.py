@@ -56,24 +56,20 @@ def _gate_math(x: torch.Tensor, A_log: torch.Tensor, lower_bound: float, use_low
     return -A * torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
 
 
-def _decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor):
+def _decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor, reverse_scan: bool):
     """``kdec [Lb, K] = k_j * exp(sum_{j<i<c} g_i)`` (zero for j >= c) and ``tot = sum_{j<c} g_j [K]``.
 
-    The suffix sum is ``tot - (inclusive prefix sum)``: a forward scan. A reverse ``hl.cumsum`` costs
-    Triton two flips of the tile across lanes and warps (~160 shuffles, ~150 instructions per program);
-    the subtraction's rounding is ``2^-24 * |tot|`` absolute, on exponents whose weights ``exp(after)``
-    are at most 1. H200: 2.5-6.5% faster from B = 8 up (benchmarks/RESULTS.md, fourth session)."""
+    The suffix sum is ``tot - (inclusive prefix sum)``, a forward scan, unless ``reverse_scan``. A
+    reverse ``hl.cumsum`` costs Triton two flips of the tile across lanes and warps (~160 shuffles, ~150
+    instructions per program) but measured faster at B = 1 (4.37 against 4.56 us at HV = 8), where one
+    program's latency is the step; the forward form was 2.5-6.5% faster from B = 8 up (H200,
+    benchmarks/RESULTS.md, fourth session). Its subtraction rounds ``2^-24 * |tot|`` absolute, on
+    exponents whose weights ``exp(after)`` are at most 1."""
     g_ring = torch.where(valid[:, None], g_ring, 0.0)
-    after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)  # sum of the valid entries after j
-    kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
-    return kdec, torch.sum(g_ring, dim=0)
-
-
-def _decayed_keys_reverse_scan(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor):
-    """:func:`_decayed_keys` with the suffix sum as a reverse ``hl.cumsum``: more instructions, but
-    measured faster at B = 1 (4.37 against 4.56 us at HV = 8), where one program's latency is the step."""
-    g_ring = torch.where(valid[:, None], g_ring, 0.0)
-    after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j
+    if reverse_scan:
+        after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j
+    else:
+        after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)
     kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
     return kdec, torch.sum(g_ring, dim=0)
 
@@ -149,10 +145,7 @@ def replayssm_decode_kernel(
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
             beta = torch.sigmoid(b2[row, hv].to(torch.float32))
             eg = torch.exp(g)
-            if tiny_batch:
-                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)
-            else:
-                kdec, tot = _decayed_keys(g_ring, k_ring, valid)
+            kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
             xk = eg * k
             xq = eg * q
             wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]

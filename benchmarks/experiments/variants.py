@@ -22,10 +22,9 @@ from typing import Any
 
 KERNEL = Path(__file__).resolve().parents[2] / "tp_replayssm" / "kernel.py"
 
-_FORWARD_SCAN = "    after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)  # sum of the valid entries after j"
-_REVERSE_SCAN = "    after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j"
-_BATCH_KEYS = "                kdec, tot = _decayed_keys(g_ring, k_ring, valid)"
-_TINY_KEYS = "                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)"
+_FORWARD_SCAN = "        after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)"
+_REVERSE_SCAN = "        after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j"
+_KEYS = "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan"
 _SETTINGS = "_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)"
 
 
@@ -40,12 +39,11 @@ class Variant:
 
 VARIANTS: dict[str, Variant] = {
     "no_scan": Variant("the ring gates' suffix sums left out (both scan forms replaced by the gates)", (
-        (_FORWARD_SCAN, "    after = g_ring  # VARIANT: no scan"),
-        (_REVERSE_SCAN, "    after = g_ring  # VARIANT: no scan"),
+        (_FORWARD_SCAN, "        after = g_ring  # VARIANT: no scan"),
+        (_REVERSE_SCAN, "        after = g_ring  # VARIANT: no scan"),
     ), True),
     "no_ring_prologue": Variant("the decayed keys set to zero: no ring loads or decays in the prologue", (
-        (_TINY_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
-        (_BATCH_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
+        (_KEYS, "            kdec = g_ring * 0.0  # VARIANT: no ring prologue\n            tot = g * 0.0"),
     ), True),
     "no_chunk_ring": Variant("the per-chunk ring term dropped (the ring prologue becomes dead code too)", (
         ("                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)\n"
@@ -58,14 +56,14 @@ VARIANTS: dict[str, Variant] = {
          "                    for back in hl.grid(cur * 0):  # VARIANT: no replay"),
     ), True),
     "reverse_scan": Variant("the batch path's suffix sums as a reverse hl.cumsum (the kernel of 28b41a1)", (
-        (_BATCH_KEYS, "                kdec, tot = _decayed_keys_reverse_scan(g_ring, k_ring, valid)  # VARIANT"),
+        (_KEYS, "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, True)  # VARIANT: reverse scan always"),
     ), False),
     "dot_suffix_sum": Variant("the batch path's suffix sums as a 3xTF32 tensor-core product with a 0/1 "
                               "upper-triangular matrix", (
         (_FORWARD_SCAN,
-         "    jr = hl.arange(g_ring.size(0))  # VARIANT: suffix sums on tensor cores\n"
-         "    upper = (jr[None, :] > jr[:, None]).to(torch.float32)  # upper[j, i] = 1 for i > j\n"
-         "    after = hl.dot(upper, g_ring)"),
+         "        jr = hl.arange(g_ring.size(0))  # VARIANT: suffix sums on tensor cores\n"
+         "        upper = (jr[None, :] > jr[:, None]).to(torch.float32)  # upper[j, i] = 1 for i > j\n"
+         "        after = hl.dot(upper, g_ring)"),
         (_SETTINGS, _SETTINGS[:-1] + ', dot_precision="tf32x3")'),
     ), False),
     "prefetch2": Variant("two value chunks of the checkpoint in flight instead of one", (
