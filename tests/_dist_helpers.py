@@ -51,7 +51,7 @@ class RankFailed(AssertionError):
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, store: str, out_dir: str, args: tuple,
-           one_per_node: bool) -> None:
+           one_per_node: bool, device: str) -> None:
     local_rank, local_world = (0, 1) if one_per_node else (rank, world_size)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world),
@@ -62,7 +62,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store: str, out_d
     result: dict[str, Any]
     ok = False
     try:
-        distributed.init_distributed("cpu", timeout_s=PG_TIMEOUT_S, init_method=f"file://{store}")
+        distributed.init_distributed(device, timeout_s=PG_TIMEOUT_S, init_method=f"file://{store}")
         result = {"ok": True, "value": fn(rank, world_size, *args)}
         ok = True
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -89,21 +89,25 @@ def _prepare_forkserver() -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, tmp_path: Path, *args: Any,
-              timeout_s: float = 100.0, one_per_node: bool = False) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the per-rank values.
+              timeout_s: float = 100.0, one_per_node: bool = False, device: str = "cpu") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the per-rank values.
 
+    ``device="cpu"``: gloo ranks forked from the preloaded forkserver. ``device="cuda"``: NCCL ranks,
+    rank ``r`` on ``cuda:r`` (``init_distributed`` sets it from ``LOCAL_RANK``), started with ``spawn``
+    (a fork would inherit the parent's CUDA driver state).
     ``one_per_node``: every rank gets ``LOCAL_RANK=0`` (as with one process per node), so a code path
     that took LOCAL_RANK for the global rank would collide.
 
     Raises :class:`RankFailed` when a rank raised (with its traceback) or the deadline passed.
     """
-    if START_METHOD == "forkserver":
+    start_method = START_METHOD if device == "cpu" else "spawn"
+    if start_method == "forkserver":
         _prepare_forkserver()
     run_dir = tmp_path / f"run_{fn.__name__}_{time.monotonic_ns()}"
     run_dir.mkdir()
     store = str(run_dir / "store")
-    ctx = mp.start_processes(_entry, args=(fn, world_size, store, str(run_dir), args, one_per_node), nprocs=world_size,
-                             join=False, start_method=START_METHOD)
+    ctx = mp.start_processes(_entry, args=(fn, world_size, store, str(run_dir), args, one_per_node, device),
+                             nprocs=world_size, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
     exit_error = None
     try:
@@ -313,10 +317,13 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
     return out
 
 
-def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, cache: str) -> dict[str, Any]:
+def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, cache: str,
+                   dim: int = K) -> dict[str, Any]:
     """Decode ``steps`` steps of 2 layers on a TP pool; gather every rank's ``out`` and compare it with
     the single-rank PyTorch reference on the global heads (same ring semantics and rounding) and with
     the float64 plain recurrence. Rows: [request, padding, request]; one forced flush at step 1.
+    ``K = V = dim``. The pool lives on the rank's device (its CUDA device under NCCL); inputs are drawn
+    on the CPU (the same draws on every rank) and moved there; the references run on the CPU.
 
     Returns max relative errors, whether the padding row was exactly zero, and whether the pool's
     cursors matched the expected ones (every rank computes the same global reference).
@@ -328,24 +335,27 @@ def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, c
     from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
 
     NL, S, B = 2, 4, 3
+    K = V = dim  # noqa: N806 - the module's names for the head dims
     cache_dtype = getattr(torch, cache)
     heads = KDAHeads(H, HV, K, V)
     pool = ReplaySSMStatePool(heads, num_layers=NL, num_slots=S, ring_length=L, cache_dtype=cache_dtype,
                               group=dist.group.WORLD)
     shard = pool.shard
+    dev = pool.device
     gen = torch.Generator().manual_seed(1234)  # the same draws on every rank
     params = [random_head_params(HV, K, generator=gen) for _ in range(NL)]
     init = [torch.randn(2, HV, V, K, generator=gen) * 0.3 for _ in range(NL)]
     ids = pool.alloc(2)
     for layer in range(NL):
-        pool.load_state(layer, ids, shard.slice_state(init[layer]).contiguous())
+        pool.load_state(layer, ids, shard.slice_state(init[layer]).contiguous().to(dev))
     slots = torch.tensor([int(ids[0]), -1, int(ids[1])], dtype=torch.int32)
+    slots_dev = slots.to(dev)
     # single-rank reference: the global pool's tensors, driven by the reference op
     ref = [dict(S0=torch.zeros(S, HV, V, K), d=torch.zeros(S, HV, L, V, dtype=cache_dtype),
                 k=torch.zeros(S, H, L, K, dtype=cache_dtype), g=torch.zeros(S, HV, L, K)) for _ in range(NL)]
     oracle = [PlainKDA(S, H, HV, K, V) for _ in range(NL)]
     for layer in range(NL):
-        ref[layer]["S0"][ids.long()] = init[layer]
+        ref[layer]["S0"][ids.long().cpu()] = init[layer]
         oracle[layer].load(ids.tolist(), init[layer])
     cursor = {int(s): 0 for s in ids}
     err_ref = err_oracle = 0.0
@@ -356,11 +366,12 @@ def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, c
         for layer in range(NL):
             x = random_decode_inputs(B, H, HV, K, V, dtype=torch.float32, generator=gen)
             p = params[layer]
-            local = pool.decode(layer, shard.slice_mixed_qkv(x.mixed_qkv), shard.slice_a(x.a), shard.slice_b(x.b),
-                                shard.slice_A_log(p.A_log), shard.slice_dt_bias(p.dt_bias), slots, force_flush=force)
+            local = pool.decode(layer, *(t.to(dev) for t in (shard.slice_mixed_qkv(x.mixed_qkv), shard.slice_a(x.a),
+                                shard.slice_b(x.b), shard.slice_A_log(p.A_log), shard.slice_dt_bias(p.dt_bias))),
+                                slots_dev, force_flush=force.to(dev))
             parts = [torch.empty_like(local) for _ in range(world)]
             dist.all_gather(parts, local.contiguous())
-            gathered = concat_outputs(parts)  # [B, 1, HV, V]
+            gathered = concat_outputs(parts).cpu()  # [B, 1, HV, V]
             want = torch.full((B, 1, HV, V), float("nan"))
             r = ref[layer]
             reference.replayssm_decode(x.mixed_qkv, x.a, x.b, p.A_log, p.dt_bias, None, r["S0"], r["d"], r["k"],
@@ -370,17 +381,17 @@ def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, c
             err_ref = max(err_ref, rel_err(gathered[live], want[live]))
             err_oracle = max(err_oracle, rel_err(gathered[live, 0], exact[live]))
             padding_zero &= bool((gathered[1] == 0).all())
-        pool.advance(slots, force)
+        pool.advance(slots_dev, force.to(dev))
         for row in (0, 2):
             s = int(slots[row])
             cursor[s] = 0 if (cursor[s] == L - 1 or force[row]) else cursor[s] + 1
-        cursors_ok &= pool.cursors[ids.long()].tolist() == [cursor[int(s)] for s in ids]
+        cursors_ok &= pool.cursors[ids.long()].cpu().tolist() == [cursor[int(s)] for s in ids]
     # the final states: every rank's read_state, gathered, against the oracle
     for layer in range(NL):
         st = pool.read_state(layer, ids)
         parts = [torch.empty_like(st) for _ in range(world)]
         dist.all_gather(parts, st.contiguous())
-        err_oracle = max(err_oracle, rel_err(torch.cat(parts, 1), oracle[layer].state[ids.long()]))
+        err_oracle = max(err_oracle, rel_err(torch.cat(parts, 1).cpu(), oracle[layer].state[ids.long().cpu()]))
     return dict(err_ref=err_ref, err_oracle=err_oracle, padding_zero=padding_zero, cursors_ok=cursors_ok,
                 q_heads=list(shard.q_heads), v_heads=list(shard.v_heads))
 

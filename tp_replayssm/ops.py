@@ -153,18 +153,22 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 cursors_by_slot: bool = False, tiny: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU)."""
-    H, HV, K, V, L = dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
-    q3 = mixed_qkv[:, : H * K].unflatten(1, (H, K))
-    k3 = mixed_qkv[:, H * K : 2 * H * K].unflatten(1, (H, K))
-    v3 = mixed_qkv[:, 2 * H * K :].unflatten(1, (HV, V))
-    a3 = a if a.dim() == 3 else a.unflatten(1, (HV, K))
-    dt2 = dt_bias if dt_bias.dim() == 2 else dt_bias.unflatten(0, (HV, K))
+    B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
+    # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
+    # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
+    row, off = mixed_qkv.stride(0), mixed_qkv.storage_offset()
+    q3 = mixed_qkv.as_strided((B, H, K), (row, K, 1), off)
+    k3 = mixed_qkv.as_strided((B, H, K), (row, K, 1), off + H * K)
+    v3 = mixed_qkv.as_strided((B, HV, V), (row, V, 1), off + 2 * H * K)
+    a3 = a if a.dim() == 3 else a.as_strided((B, HV, K), (a.stride(0), K, 1), a.storage_offset())
+    dt2 = dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset())
+    out3 = out.as_strided((B, HV, V), (out.stride(0), out.stride(2), 1), out.storage_offset())
     state_rows, st = _rows_view(initial_state)
     d_rows, dr = _rows_view(d_cache)
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     ring_block = max(16, 1 << (L - 1).bit_length())
     lb = 0.0 if lower_bound is None else float(lower_bound)
-    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out.squeeze(1),
+    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny)

@@ -79,6 +79,35 @@ VARIANTS: dict[str, Variant] = {
          "                S_next2 = hl.load(state_rows, [st_base + rows2 * st_v, slice(None)],"
          " extra_mask=(rows2 < tv.end)[:, None])"),
     ), False),
+    "ring_term_once": Variant("the ring's part of S'@k and S'@q for all value rows of the tile reduced once "
+                              "per program ([Lb, K] delta tile, laid on the key axis) and picked per chunk by a "
+                              "one-hot inside the chunk's key reduction (needs vt <= K, K a power of 2)", (
+        ("    V = hl.specialize(v3.size(2))\n",
+         "    V = hl.specialize(v3.size(2))\n    K = hl.specialize(state_rows.size(1))  # VARIANT: ring term once\n"),
+        ("            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])",
+         "            kk = hl.arange(K)\n"
+         "            vidx = tv.begin + kk  # the tile's value rows on the key axis\n"
+         "            S_next = hl.load(state_rows, [st_base + rows * st_v, kk], extra_mask=live[:, None])"),
+        ("            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])",
+         "            d_next = hl.load(d_rows, [dr_base + j * dr_l, vidx],\n"
+         "                             extra_mask=ring_mask[:, None] & (vidx < tv.end)[None, :])"),
+        ("            kq = torch.sum(k * q, dim=0)\n",
+         "            kq = torch.sum(k * q, dim=0)\n"
+         "            d_all = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)\n"
+         "            rk = torch.sum(d_all * wk[:, None], dim=0)  # [K]: entry i belongs to value row tv.begin + i\n"
+         "            rq = torch.sum(d_all * wq[:, None], dim=0)\n"),
+        ("                d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]\n", ""),
+        ("                S_next = hl.load(state_rows, [st_base + after_rows * st_v, slice(None)], extra_mask=more[:, None])\n"
+         "                d_next = hl.load(d_rows, [dr_base + j * dr_l, after_rows], extra_mask=valid[:, None] & more[None, :])\n"
+         "                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)\n"
+         "                spq = torch.sum(S0 * aq[None, :], dim=1) + torch.sum(d_ring * wq[:, None], dim=0)\n",
+         "                S_next = hl.load(state_rows, [st_base + after_rows * st_v, kk], extra_mask=more[:, None])\n"
+         "                on_row = rows[:, None] == vidx[None, :]  # one-hot: chunk row r picks rk[r]\n"
+         "                spk = torch.sum(S0 * ak[None, :] + torch.where(on_row, rk[None, :], 0.0), dim=1)\n"
+         "                spq = torch.sum(S0 * aq[None, :] + torch.where(on_row, rq[None, :], 0.0), dim=1)\n"),
+        ("                    hl.store(state_rows, [st_base + rows * st_v, slice(None)], S_new.to(state_rows.dtype),",
+         "                    hl.store(state_rows, [st_base + rows * st_v, kk], S_new.to(state_rows.dtype),"),
+    ), False),
 }
 
 
