@@ -1,15 +1,17 @@
-"""Spawn harness for the CPU/gloo distributed tests, and the worker functions the ranks run.
+"""Spawn harness for the distributed tests (gloo on CPU; NCCL on two GPUs), and the worker functions
+the ranks run.
 
 :func:`run_ranks` starts ``world_size`` processes with ``torch.multiprocessing``, each of which
-initializes gloo through :func:`tp_replayssm.distributed.init_distributed` (torchrun-style env vars,
-a ``file://`` store in the test's tmp dir, 30 s group timeout), runs ``fn(rank, world_size, *args)`` and
+initializes gloo (NCCL with ``device="cuda"``) through :func:`tp_replayssm.distributed.init_distributed`
+(torchrun-style env vars, a ``file://`` store in the test's tmp dir, 30 s group timeout), runs
+``fn(rank, world_size, *args)`` and
 pickles its return value or its exception. The parent waits with a hard deadline, kills every
 process still alive when it passes (so no test hangs and nothing is left behind) and returns the
 per-rank results; a rank that exits non-zero (e.g. an abort in teardown) fails the test too.
 ``TRITON_INTERPRET=1`` is set (without CUDA) when this module is imported, before helion is.
 
-Start method: ``forkserver`` with ``torch``, this module and the Helion kernel preloaded. The server
-process starts once per pytest session from a clean interpreter (no threads, no CUDA), imports the
+Start method (CPU): ``forkserver`` with ``torch``, this module and the Helion kernel preloaded. The
+server process starts once per pytest session from a clean interpreter (no threads, no CUDA), imports the
 heavy modules once (helion alone takes ~10 s on this 2-core machine), and forks each rank from that
 clean state; a plain ``spawn`` paid those imports in every rank of every test. It exits with pytest.
 
