@@ -6,6 +6,9 @@ profile the later ones with ``ncu --kernel-name regex:replayssm --launch-skip <w
 
     ncu --clock-control none --kernel-name regex:replayssm --launch-skip 3 --launch-count 1 \
         python benchmarks/profile_decode.py --hv 32 --batch 512 --state fp32 --cursor 8
+
+``--kernel FILE`` or ``--kernel variant:NAME`` profiles a candidate kernel function instead of the
+library's (same signature; see ``benchmarks/experiments/variants.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tune_decode import make_problem, op_launch  # noqa: E402
+from tune_decode import make_problem, op_launch, use_kernel  # noqa: E402
 
 
 def main() -> None:
@@ -29,11 +32,16 @@ def main() -> None:
     ap.add_argument("--cursor", type=int, default=8, help="ring cursor of every row (ring-1 = flush step)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--launches", type=int, default=2)
+    ap.add_argument("--kernel", default=None, help="a candidate kernel: FILE or variant:NAME")
     args = ap.parse_args()
     if not 0 <= args.cursor < args.ring:
         raise SystemExit(f"--cursor must be in [0, {args.ring}), got {args.cursor}")
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
     prob = make_problem(args.batch, args.hv, args.hv, args.ring, sdt, n_sets=args.warmup + args.launches)
+    if args.kernel:
+        from experiments.variants import load_kernel
+
+        use_kernel(load_kernel(args.kernel))
     launch = op_launch(None)
     for slots in prob["slot_sets"]:  # a fresh slot set per launch: state comes from HBM
         launch(prob, slots, args.cursor)
