@@ -32,6 +32,13 @@ def _torchrun(*args: str, timeout: float = 150.0, script: Path = LAUNCHER) -> su
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def placement_error_lines(out: str, ranks: tuple[int, ...] = (0, 1)) -> list[str | None]:
+    """The first line of the ``PlacementError`` each rank raised, as torchrun printed it (None if absent)."""
+    lines = [re.search(rf"^\[rank{rank}\]: tp_replayssm\.placement\.PlacementError: (.*)$", out, flags=re.M)
+             for rank in ranks]
+    return [m.group(1) if m else None for m in lines]
+
+
 @pytest.mark.timeout(200)
 def test_launcher_end_to_end() -> None:
     run = _torchrun("--steps", "4", "--batch", "3", "--ring-length", "2", "--seed", "1")
@@ -70,10 +77,9 @@ def test_launcher_fault_injection(fault: str, expect: str) -> None:
     run = _torchrun("--inject-fault", fault, timeout=100.0)
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-4000:]
-    for rank in (0, 1):
-        line = re.search(rf"^\[rank{rank}\]: tp_replayssm\.placement\.PlacementError: (.*)$", out, flags=re.M)
+    for line in placement_error_lines(out):
         assert line is not None, out[-6000:]
-        assert line.group(1).endswith("offending rank(s): 1"), line.group(1)
+        assert line.endswith("offending rank(s): 1"), line
     assert expect in out, out[-4000:]
     assert "RESULT" not in out  # it never got to decode to the end
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 import _dist_helpers as h
-from test_launcher import _torchrun
+from test_launcher import _torchrun, placement_error_lines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -50,11 +50,10 @@ def test_launcher_placement_faults_two_gpus(fault: str, offenders: str, expect: 
     run = _torchrun("--device", "cuda", "--inject-fault", fault, timeout=180.0)
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-4000:]
-    lines = [re.search(rf"^\[rank{rank}\]: tp_replayssm\.placement\.PlacementError: (.*)$", out, flags=re.M)
-             for rank in (0, 1)]
+    lines = placement_error_lines(out)
     assert all(line is not None for line in lines), out[-6000:]
-    assert lines[0].group(1) == lines[1].group(1), out[-6000:]  # the same text on every rank
-    assert lines[0].group(1).endswith(f"offending rank(s): {offenders}"), lines[0].group(1)
+    assert lines[0] == lines[1], out[-6000:]  # the same text on every rank
+    assert lines[0].endswith(f"offending rank(s): {offenders}"), lines[0]
     assert expect in out, out[-4000:]
     assert "RESULT" not in out
 
