@@ -161,6 +161,30 @@ def raw_variants(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Callable[[
 # timing
 
 
+def _direct_plans(ctx: dict[str, Any]) -> Any:
+    """The op's direct-launch plan cache (``ops.DIRECT_PLANS``), None in versions without one."""
+    ops_mod = sys.modules.get(getattr(ctx["ops"], "__module__", ""), None)
+    return getattr(ops_mod, "DIRECT_PLANS", None)
+
+
+def _helion_dispatch(ctx: dict[str, Any]) -> Callable[[Callable[[], Any]], Callable[[], Any]] | None:
+    """A wrapper that runs a call with the op's direct launch path off, None in versions without one."""
+    dl = sys.modules.get("tp_replayssm.direct_launch")
+    if dl is None or _direct_plans(ctx) is None:
+        return None
+
+    def wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            dl.ENABLED = False
+            try:
+                return fn()
+            finally:
+                dl.ENABLED = True
+        return call
+
+    return wrap
+
+
 def eager_cost(fn: Callable[[], Any], n: int) -> dict[str, float]:
     """``host_us``: CPU time per call (no sync in the loop); ``wall_us``: per call incl. the GPU."""
     for _ in range(3):
@@ -344,6 +368,11 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
             "op": lambda: su.bare_call(0, 0, 0),
             "pool_advance": lambda: su.pool.advance(su.slots[0]),
         }
+        # the same calls through Helion's own dispatch (the op's direct launch path turned off)
+        helion_dispatch = _helion_dispatch(ctx)
+        if helion_dispatch is not None:
+            cands["pool_decode_helion"] = helion_dispatch(cands["pool_decode"])
+            cands["op_helion"] = helion_dispatch(cands["op"])
         try:
             from tp_replayssm._validation import validate_decode_inputs
 
@@ -362,7 +391,8 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
         except Exception as exc:
             rec["launch_error"] = _short_error(exc)
         try:
-            calls = record_kernel_calls(lambda: su.bare_call(0, 0, 0), ctx.get("kernel_cls"))
+            call = lambda: su.bare_call(0, 0, 0)  # noqa: E731
+            calls = record_kernel_calls(helion_dispatch(call) if helion_dispatch else call, ctx.get("kernel_cls"))
             rec["raw_kernel_calls"] = len(calls)
             if calls:
                 kernel, kargs, kkw = calls[0]
@@ -372,9 +402,13 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
                 rec["raw_error"] = "the op made no helion.Kernel call"
         except Exception as exc:
             rec["raw_error"] = _short_error(exc)
+        plans = _direct_plans(ctx)
         for name, fn in cands.items():
             try:
+                hits = plans.hits if plans is not None else 0
                 c = eager_cost(fn, n)
+                if plans is not None:
+                    rec[f"{name}_direct_launches"] = plans.hits - hits
                 rec[f"{name}_host_us"] = c["host_us"]
                 rec[f"{name}_wall_us"] = c["wall_us"]
             except Exception as exc:
@@ -403,7 +437,8 @@ def table(results: list[dict[str, Any]]) -> list[str]:
     cols = [("B", "B", "d", 4), ("HV", "HV", "d", 3), ("lay", "layers", "d", 3),
             ("pool_us", "pool_us_step", ".1f", 8), ("bare_us", "bare_us_step", ".1f", 8),
             ("ovh%", "overhead_pct", "+.1f", 6),
-            ("e:pool", "pool_decode_host_us", ".1f", 7), ("e:op", "op_host_us", ".1f", 6),
+            ("e:pool", "pool_decode_host_us", ".1f", 7), ("e:pool_h", "pool_decode_helion_host_us", ".1f", 8),
+            ("e:op", "op_host_us", ".1f", 6), ("e:op_h", "op_helion_host_us", ".1f", 6),
             ("e:valid", "validate_host_us", ".1f", 7), ("e:lnch", "launch_host_us", ".1f", 6),
             ("e:kern", "raw_kernel_call_host_us", ".1f", 6),
             ("e:bound", "raw_bound_call_host_us", ".1f", 7), ("e:raw", "raw_launcher_host_us", ".1f", 6),
@@ -423,7 +458,8 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 HELP = """\
 pool_us / bare_us: us per model step (all layers + cursor advance), graph-captured, median replay of full cursor
 cycles; ovh% = pool_us / bare_us - 1 (bare: the smaller of two timings). e:* = eager CPU us per call (no sync in the
-loop): pool.decode, the bare op, its input validation alone, ops.launch (op minus validation, if ops has it), the
+loop): pool.decode, the same through Helion's dispatch (pool_h: the op's direct launch path off), the bare op
+(op_h: the same), its input validation alone, ops.launch (op minus validation, if ops has it), the
 raw Helion kernel via kernel(*args) / kernel.bind(args)(*args) / the bound kernel's compiled launcher (_run),
 pool.advance. w:* = eager wall us per call (GPU in the loop). err = rel. error of one pool.decode out vs the
 float64 plain recurrence from pool.read_state."""

@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from tp_replayssm import ops
+from tp_replayssm import direct_launch, ops, reference
+from tp_replayssm.testing import random_decode_inputs, random_head_params, rel_err
 from _decode_scenario import OUT_TOL, Scenario, run_scenario
 
 pytestmark = pytest.mark.gpu
@@ -39,7 +40,10 @@ def test_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
     sc = Scenario(B=B, H=H, HV=HV, K=128, V=128, L=16, S=B + 3, pad_rows=1 if B > 1 else 0, steps=17,
                   state_dtype=state_dtype, lower_bound=-5.0 if B == 8 else None, flush_prob=0.05,
                   seed=B * 1000 + HV, device="cuda")
+    hits = ops.DIRECT_PLANS.hits
     worst = run_scenario(sc, ops.replayssm_decode)
+    # every step after the first (same metadata, fresh tensors) launched the compiled kernel directly
+    assert ops.DIRECT_PLANS.hits - hits >= sc.steps - 1
     RESULTS.append(dict(H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
@@ -59,3 +63,70 @@ def test_launches_on_the_tensors_device_not_the_current_one() -> None:
     torch.cuda.set_device(0)
     worst = run_scenario(sc, ops.replayssm_decode)
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype]
+
+
+def _one_step(seed: int, *, B: int = 8, H: int = 8, HV: int = 8, K: int = 128, V: int = 128, L: int = 16,
+              column_offset: int = 0):  # noqa: ANN202
+    """Inputs of one step on cuda: random checkpoints and rings, cursors spread over every phase (some
+    rows flush), one padding row; ``mixed_qkv`` starts ``column_offset`` elements into its buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    S = B + 2
+    inp = random_decode_inputs(B, H, HV, K, V, generator=gen, device="cuda")
+    width = inp.mixed_qkv.shape[1]
+    buf = torch.zeros(B, width + 8, dtype=inp.mixed_qkv.dtype, device="cuda")
+    mixed = buf[:, column_offset:column_offset + width]
+    mixed.copy_(inp.mixed_qkv)
+    params = random_head_params(HV, K, device="cuda", generator=gen)
+    state = (0.1 * torch.randn(S, HV, V, K, generator=gen)).cuda()
+    d = (0.1 * torch.randn(S, HV, L, V, generator=gen)).to(torch.bfloat16).cuda()
+    k = torch.nn.functional.normalize(torch.randn(S, H, L, K, generator=gen), dim=-1).to(torch.bfloat16).cuda()
+    g = (-0.05 * torch.rand(S, HV, L, K, generator=gen)).cuda()
+    slots = torch.randperm(S, generator=gen)[:B].int()
+    slots[B // 2] = -1
+    cursors = torch.randint(0, L, (B,), generator=gen, dtype=torch.int32)
+    cursors[0] = L - 1
+    out = torch.full((B, 1, HV, V), float("nan"), dtype=torch.bfloat16, device="cuda")
+    return ((mixed, inp.a, inp.b, params.A_log, params.dt_bias), (state, d, k, g), out,
+            slots.cuda(), cursors.cuda())
+
+
+def _run(op, step, scale: float | None, lower_bound: float | None = None):  # noqa: ANN001, ANN202
+    acts, caches, out, slots, cursors = step
+    caches = [t.clone() for t in caches]
+    out = out.clone()
+    op(*acts, scale, *caches, out, slots, cursors, None, True, lower_bound)
+    torch.cuda.synchronize()
+    return out, caches
+
+
+def test_direct_launch_is_bit_identical_to_helion_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    step = _one_step(1)
+    _run(ops.replayssm_decode, _one_step(2), None)  # records the plan of this metadata
+    hits = ops.DIRECT_PLANS.hits
+    direct_out, direct_caches = _run(ops.replayssm_decode, step, None)
+    assert ops.DIRECT_PLANS.hits == hits + 1
+    monkeypatch.setattr(direct_launch, "ENABLED", False)
+    helion_out, helion_caches = _run(ops.replayssm_decode, step, None)
+    assert ops.DIRECT_PLANS.hits == hits + 1
+    assert torch.equal(direct_out, helion_out)
+    for got, want in zip(direct_caches, helion_caches):
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("column_offset", [0, 1], ids=["aligned", "misaligned"])
+def test_direct_launch_follows_scale_lower_bound_and_alignment(column_offset: int) -> None:
+    # the second call differs from the first only in scale (a runtime argument: same plan); a new
+    # lower_bound is a new key (Helion may bake it into the code)
+    for seed, scale, lower_bound in ((3, None, None), (4, 0.3, None), (5, 0.05, -5.0), (6, 0.3, -2.0)):
+        step = _one_step(seed, column_offset=column_offset)
+        hits = ops.DIRECT_PLANS.hits
+        out, caches = _run(ops.replayssm_decode, step, scale, lower_bound)
+        if seed == 4:
+            assert ops.DIRECT_PLANS.hits == hits + 1
+        ref_out, ref_caches = _run(reference.replayssm_decode, step, scale, lower_bound)
+        pad = step[3] < 0
+        assert (out[pad] == 0).all() and torch.isfinite(out).all()
+        assert rel_err(out, ref_out) <= OUT_TOL[torch.bfloat16], (seed, scale, lower_bound)
+        for got, want in zip(caches, ref_caches):
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-5)
+    assert (step[0][0].data_ptr() % 16 != 0) == bool(column_offset)

@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
 from ._validation import DecodeDims, resolve_scale, validate_decode_inputs
@@ -134,15 +135,42 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
            use_l2norm: bool, lower_bound: float | None, cursors_by_slot: bool = False) -> None:
-    """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``)."""
+    """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
+    repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
     config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
+    tiny = tiny_batch(dims)
+    device = mixed_qkv.device
+    direct = device.type == "cuda" and direct_launch.ENABLED
+    if direct:
+        inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
+                  slots, write_pos, force_flush)
+        addresses, meta = direct_launch.tensor_key(inputs)
+        _CONFIGS.setdefault(id(config), config)  # so an id in a key is never reused by another config
+        key = (id(config), value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, device.index, meta)
+        if DIRECT_PLANS.try_launch(key, addresses, {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, device):
+            return
     args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot,
-                       tiny_batch(dims))
-    guard = torch.cuda.device(mixed_qkv.device) if mixed_qkv.device.type == "cuda" else contextlib.nullcontext()
+                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot, tiny)
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    kern = _kernel.decode_kernel_for(config)
     with guard:
-        _kernel.decode_kernel_for(config)(*args)
+        kern(*args)
+        if direct and key not in DIRECT_PLANS.plans:
+            host = kern.bind(args).compile_config(config)
+            DIRECT_PLANS.record(key, host, args, KERNEL_ARG_INPUTS, inputs, {15: "scale", 16: "lower_bound"})
+
+
+def _lower_bound_arg(lower_bound: float | None) -> float:
+    return 0.0 if lower_bound is None else float(lower_bound)
+
+
+# Direct-launch plans of the decode kernel; ids of the configs named in their keys
+DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
+_CONFIGS: dict[int, object] = {}
+# For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
+# view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 21
 
 
 def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -168,7 +196,7 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     ring_block = max(16, 1 << (L - 1).bit_length())
-    lb = 0.0 if lower_bound is None else float(lower_bound)
+    lb = _lower_bound_arg(lower_bound)
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny)

@@ -1,0 +1,194 @@
+"""Eager launches of the compiled decode kernel without Helion's and Triton's per-call dispatch.
+
+An eager ``kernel(*args)`` call costs ~70-80 us of host time on the H200 machine before the GPU sees
+anything (benchmarks/RESULTS.md): Helion matches the arguments to a bound kernel and runs its
+generated host function, then Triton's ``JITFunction.run`` binds ~30 arguments, computes their
+specialization key and asks the driver for every pointer's attributes. All of that is a pure function
+of the inputs' *metadata*, which does not change from step to step. So the first call of a kind takes
+the normal path, and then a :class:`LaunchPlan` is recorded for it: the compiled Triton kernel, the
+grid, and for each argument of the Triton launch where its value comes from. Later calls whose
+metadata key matches go straight to the compiled kernel's C launcher with integer device addresses.
+
+The key (:func:`plan_key`) holds everything the compiled code or the argument values can depend on
+besides the data addresses and the runtime scalars: the launch choice (config object, value chunk,
+constexpr flags), the device, and for every input tensor its dtype, shape, strides and its address
+modulo 16 (Triton specializes pointers on 16-byte alignment). Views the op builds (``q3``, the cache
+row views, ...) are functions of that metadata, so each view's address is its input's address plus a
+fixed byte offset, recorded once. Integer arguments of the launch (strides, sizes) are functions of the
+key too and are recorded as constants; the only runtime scalar is ``scale``. A launch the recorder does
+not understand (an unexpected argument kind or launcher option) gets no plan and keeps the normal path.
+
+Only CUDA launches take this path; the interpreter runs and a launch hook set on Triton
+(``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) keep the normal one. Setting
+``TP_REPLAYSSM_DIRECT_LAUNCH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("TP_REPLAYSSM_DIRECT_LAUNCH", "1") != "0"
+
+# Source of one argument of the Triton launch: ("input", j, byte offset) = address of input tensor j
+# plus an offset; ("scalar", name) = a runtime scalar of the call; ("const", value).
+Source = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """One recorded launch: call ``run(grid..., stream, function, metadata, None, None, None, *args)``."""
+
+    run: Callable[..., Any]
+    function: int
+    packed_metadata: Any
+    grid: tuple[int, int, int]
+    sources: tuple[Source, ...]
+
+    def launch(self, addresses: Sequence[int], scalars: dict[str, object], stream: int) -> None:
+        args = [addresses[s[1]] + s[2] if s[0] == "input" else scalars[s[1]] if s[0] == "scalar" else s[1]
+                for s in self.sources]
+        self.run(*self.grid, stream, self.function, self.packed_metadata, None, None, None, *args)
+
+
+class PlanCache:
+    """Launch plans of one kernel by metadata key; ``None`` marks a key that cannot have one."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.plans: dict[tuple, LaunchPlan | None] = {}
+        self.hits = 0  # direct launches so far (tests read it)
+
+    def try_launch(self, key: tuple, addresses: Sequence[int], scalars: dict[str, object],
+                   device: torch.device) -> bool:
+        """Launch through the plan of ``key`` if there is one; False means: take the normal path."""
+        plan = self.plans.get(key)
+        if plan is None or not _hooks_off():
+            return False
+        stream = current_stream(device.index)
+        if current_device() == device.index:
+            plan.launch(addresses, scalars, stream)
+        else:  # the compiled function belongs to the device's context
+            with torch.cuda.device(device):
+                plan.launch(addresses, scalars, stream)
+        self.hits += 1
+        return True
+
+    def record(self, key: tuple, host: Callable[..., Any], args: Sequence[object],
+               arg_inputs: Sequence[int | None], inputs: Sequence[torch.Tensor],
+               scalar_names: dict[int, str]) -> LaunchPlan | None:
+        """Record the plan of ``key`` by running Helion's generated host function ``host(*args)`` with a
+        launcher that compiles (or finds) the Triton kernel without launching it. ``arg_inputs[i]`` is the
+        index in ``inputs`` of the tensor that ``args[i]`` is a view of (None for non-tensors);
+        ``scalar_names`` names the positions of ``args`` that hold runtime scalars. The caller has
+        already launched the kernel for this call the normal way."""
+        if key in self.plans:
+            return self.plans[key]
+        calls: list[tuple] = []
+
+        def recorder(triton_kernel: Any, grid: tuple[int, ...], *largs: object, **kwargs: object) -> Any:
+            # Helion's own launcher, so Triton sees the very options of the launch that just ran (and
+            # returns that compiled kernel from its cache), with the launch itself turned off
+            compiled = None
+            if set(kwargs) <= {"num_warps", "num_stages"}:
+                compiled = helion_launcher(_CompileOnly(triton_kernel), grid, *largs, **kwargs)
+            calls.append((grid, largs, kwargs, compiled))
+            return compiled
+
+        from helion.runtime import default_launcher as helion_launcher
+
+        plan = None
+        try:
+            host(*args, _launcher=recorder)
+            plan = _plan_from(calls, args, arg_inputs, inputs, scalar_names)
+        except Exception as exc:  # noqa: BLE001 - any surprise means: no plan, normal path
+            logger.warning("%s: no direct launch plan (%s: %s); eager calls keep Helion's dispatch",
+                           self.name, type(exc).__name__, exc)
+        if plan is None:
+            logger.info("%s: launch not recordable, eager calls keep Helion's dispatch", self.name)
+        self.plans[key] = plan
+        return plan
+
+
+class _CompileOnly:
+    """A Triton ``JITFunction`` stand-in whose ``run`` compiles or finds the kernel but launches nothing."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def run(self, *args: object, **kwargs: object) -> Any:
+        kwargs["warmup"] = True
+        return self.fn.run(*args, **kwargs)
+
+
+def current_stream(index: int) -> int:
+    """The raw handle of the current CUDA stream of device ``index`` (what Triton launches on)."""
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+def current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _hooks_off() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:  # pragma: no cover - older triton
+        return True
+    # None (triton 3.6) or an empty HookChain (newer triton) means: no hook registered
+    return all(h is None or getattr(h, "calls", None) == [] for h in
+               (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+def _plan_from(calls: list[tuple], args: Sequence[object], arg_inputs: Sequence[int | None],
+               inputs: Sequence[torch.Tensor], scalar_names: dict[int, str]) -> LaunchPlan | None:
+    if len(calls) != 1:
+        return None
+    grid, largs, kwargs, compiled = calls[0]
+    if compiled is None or set(kwargs) != {"num_warps", "num_stages"} or len(grid) > 3 or not all(isinstance(g, int) for g in grid):
+        return None  # launcher options this recorder does not replay
+    sources = launch_sources(largs, args, arg_inputs, inputs, scalar_names)
+    if sources is None:
+        return None
+    compiled._init_handles()
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    return LaunchPlan(compiled.run, compiled.function, compiled.packed_metadata, grid3, sources)
+
+
+def launch_sources(largs: Sequence[object], args: Sequence[object], arg_inputs: Sequence[int | None],
+                   inputs: Sequence[torch.Tensor], scalar_names: dict[int, str]) -> tuple[Source, ...] | None:
+    """Where each argument ``largs`` of a Triton launch comes from (see :class:`PlanCache.record`), or
+    None when one of them is not understood."""
+    sources: list[Source] = []
+    for value in largs:
+        hits = [i for i, arg in enumerate(args) if arg is value]
+        if isinstance(value, torch.Tensor):
+            if len(hits) != 1 or arg_inputs[hits[0]] is None:
+                return None
+            j = arg_inputs[hits[0]]
+            base = inputs[j]
+            if value.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                raise ValueError(f"kernel argument {hits[0]} is not a view of input {j}")
+            sources.append(("input", j, value.data_ptr() - base.data_ptr()))
+        elif isinstance(value, float) and len(hits) == 1 and hits[0] in scalar_names:
+            sources.append(("scalar", scalar_names[hits[0]]))
+        elif isinstance(value, (bool, int)) or value is None:
+            sources.append(("const", value))  # a function of the key (sizes, strides, constexprs)
+        else:
+            return None
+    return tuple(sources)
+
+
+def tensor_key(tensors: Sequence[torch.Tensor]) -> tuple[list[int], tuple]:
+    """``(addresses, key part)`` of the input tensors: the address of each, and per tensor its dtype,
+    shape, strides and address modulo 16."""
+    addresses = [t.data_ptr() for t in tensors]
+    meta = tuple((t.dtype, t.shape, t.stride(), p & 15) for t, p in zip(tensors, addresses))
+    return addresses, meta
