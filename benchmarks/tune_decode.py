@@ -147,6 +147,17 @@ def register_report() -> None:
                           f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
 
 
+def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict) -> tuple[helion.Config, int]:
+    """The library's pinned ``(config, value_chunk)`` for this shape with some config keys replaced."""
+    from tp_replayssm import configs
+    from tp_replayssm._validation import DecodeDims
+
+    dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
+                      num_slots=B)
+    config, chunk = configs.select_config(dims, state_dtype, torch.device("cuda"))
+    return helion.Config(**{**config.config, **changes}), chunk
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hv", type=int, nargs="+", default=[32, 8])
@@ -166,6 +177,9 @@ def main() -> None:
                     help="also time this candidate kernel file or variant:NAME (repeatable); the library "
                          "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    ap.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
+                    help="also time the library's pinned choice for the shape with these Helion config keys "
+                         "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
@@ -191,9 +205,12 @@ def main() -> None:
                                    c[4] if len(c) > 4 else None), c[1])
             for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
-        for (kname, kfn), cfg in itertools.product(kernels, cands):
+        overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
+                     for name, text in (o.split("=", 1) for o in args.override)]
+        for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
             use_kernel(kfn)
-            name = "default" if cfg is None else "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
+            name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
+                "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
                 cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][-1],
                 cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)
             if kname != "lib":

@@ -32,13 +32,23 @@ FORCED_TINY_BATCH: bool | None = None
 TINY_BATCH_BELOW = 16
 
 
+# Positions of the checkpoint-chunk loads (the first chunk's, then the prefetch in the chunk loop) in
+# Helion's list of the kernel's loads (``load_eviction_policies``); tests/test_configs.py checks them
+# against the generated code of every kernel specialization.
+STATE_LOADS = (1, 13)
+
+
 @functools.lru_cache(maxsize=None)
 def launch_config(vt: int, warps: int, replay_stages: int, maxnreg: int | None = None,
-                  programs_per_sm: int | None = None) -> helion.Config:
+                  programs_per_sm: int | None = None, evict_state_first: bool = False) -> helion.Config:
     """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
     makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles); only
-    then may ``maxnreg`` cap the registers per thread (ptxas), which sets how many programs an SM holds."""
+    then may ``maxnreg`` cap the registers per thread (ptxas), which sets how many programs an SM holds.
+    ``evict_state_first`` loads the checkpoint chunks with ``evict_first`` (each is read once per step;
+    the L2 keeps the ring entries and inputs instead)."""
     extra: dict[str, object] = {}
+    if evict_state_first:
+        extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
     if programs_per_sm is not None:
         extra.update(pid_type="persistent_interleaved", num_sm_multiplier=programs_per_sm)
     if maxnreg is not None:
@@ -55,8 +65,10 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
     if FORCED is not None:
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
+    evict = False
     if programs_full >= 512:  # enough (row, head) pairs: one program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
+        evict = True  # H200, B = 512: -0.6% (HV32 fp32) to -1.9% (HV8 bf16), benchmarks/RESULTS.md (sixth session)
     elif programs_full >= 128:
         vt, chunk, warps = 64, 16, 2
     elif programs_full >= 64:
@@ -66,7 +78,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return launch_config(vt, warps, 2), min(chunk, vt)
+    return launch_config(vt, warps, 2, evict_state_first=evict), min(chunk, vt)
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

@@ -1,0 +1,73 @@
+"""The pinned launch choices (:mod:`tp_replayssm.configs`), read from Helion's generated code on CPU.
+
+``load_eviction_policies`` addresses the kernel's loads by position in Helion's list; a change of the
+kernel can move them. These tests generate the Triton code of every kernel specialization (cursor per
+row or per slot, batch or tiny-batch path, both state dtypes) and check that the policy lands on the two
+checkpoint-chunk loads and nowhere else.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import helion
+from tp_replayssm import configs, kernel, ops
+from tp_replayssm._validation import DecodeDims
+from tp_replayssm.testing import random_decode_inputs, random_head_params
+
+
+def _generated_code(config: helion.Config, chunk: int, state_dtype: torch.dtype, by_slot: bool, tiny: bool) -> str:
+    B, H, K, V, L, S = 64, 8, 128, 128, 16, 4
+    dims = DecodeDims(B, H, H, K, V, L, S)
+    inp = random_decode_inputs(B, H, H, K, V)
+    p = random_head_params(H, K)
+    caches = (torch.zeros(S, H, V, K, dtype=state_dtype), torch.zeros(S, H, L, V, dtype=torch.bfloat16),
+              torch.zeros(S, H, L, K, dtype=torch.bfloat16), torch.zeros(S, H, L, K))
+    out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
+    rows = torch.zeros(B, dtype=torch.int32)
+    cursors = torch.zeros(S + 1 if by_slot else B, dtype=torch.int32)
+    args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, rows, cursors,
+                           rows, True, None, chunk, by_slot, tiny)
+    return helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
+        .to_triton_code(config)
+
+
+# (state dtype, cursor per slot, tiny-batch path): every constexpr path once (codegen takes ~7 s a case)
+CASES = [(torch.float32, False, False), (torch.float32, True, False), (torch.float32, False, True),
+         (torch.bfloat16, True, False), (torch.bfloat16, True, True)]
+
+
+@pytest.mark.parametrize("state_dtype,by_slot,tiny", CASES,
+                         ids=["fp32-row-batch", "fp32-slot-batch", "fp32-row-tiny", "bf16-slot-batch", "bf16-slot-tiny"])
+def test_the_state_eviction_policy_lands_on_the_checkpoint_loads(state_dtype: torch.dtype, by_slot: bool,
+                                                                 tiny: bool) -> None:
+    config = configs.launch_config(128, 4, 2, evict_state_first=True)
+    code = _generated_code(config, 16, state_dtype, by_slot, tiny)
+    loads = [line.strip() for line in code.splitlines() if "tl.load(" in line]
+    evicted = [line for line in loads if "evict_first" in line]
+    assert len(evicted) == 2, evicted
+    assert all(re.search(r"tl\.load\(state_rows \+", line) for line in evicted), evicted
+    state_loads = [line for line in loads if re.search(r"tl\.load\(state_rows \+", line)]
+    assert state_loads == evicted  # every checkpoint load, and nothing else
+    if (state_dtype, by_slot, tiny) == CASES[0]:
+        plain = _generated_code(configs.launch_config(128, 4, 2), 16, state_dtype, by_slot, tiny)
+        assert "evict_first" not in plain
+
+
+def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
+    dev = torch.device("cuda", 0)
+    for batch, heads, expected in ((512, 32, True), (16, 32, True), (128, 8, True), (8, 32, False), (1, 8, False)):
+        dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
+        for state in (torch.float32, torch.bfloat16):
+            config, _ = configs.select_config(dims, state, dev)
+            pinned = "load_eviction_policies" in config.config
+            assert pinned == expected, (batch, heads, state)
+            if pinned:
+                policies = config.config["load_eviction_policies"]
+                assert [i for i, p in enumerate(policies) if p] == list(configs.STATE_LOADS)
+    cpu_config, _ = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
+                                          torch.device("cpu"))
+    assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
