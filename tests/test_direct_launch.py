@@ -200,3 +200,24 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
     q_k_v = sorted(s[2] for s in sources if s[0] == "input" and s[1] == 0)
     itemsize = inputs[0].element_size()
     assert q_k_v == [0, dims.num_q_heads * dims.key_dim * itemsize, 2 * dims.num_q_heads * dims.key_dim * itemsize]
+
+
+def test_the_advance_kernel_host_code_launches_its_inputs() -> None:
+    """The cursor advance kernel (dynamic shapes): its host code passes the three tensors, integers that
+    the key determines (sizes, strides, the scratch index, ``ring_length``) and no runtime scalar."""
+    from tp_replayssm import cursor_kernel
+
+    B = 5
+    inputs = (torch.zeros(9, dtype=torch.int32), torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    args = (*inputs, 16)
+    block, warps = cursor_kernel.launch_choice(B)
+    kern = cursor_kernel.advance_kernel_for(block, warps)
+    launches: list[tuple] = []
+    kern.bind(args).compile_config(kern.configs[0])(*args, _launcher=lambda fn, grid, *la, **kw: launches.append((la, kw)))
+    (largs, kwargs), = launches
+    assert set(kwargs) == {"num_warps", "num_stages"}
+    sources = direct_launch.launch_sources(largs, args, (0, 1, 2, None), inputs, {})
+    assert sources is not None
+    assert sorted(s[1] for s in sources if s[0] == "input") == [0, 1, 2]
+    consts = [s[1] for s in sources if s[0] == "const"]
+    assert B in consts and 16 in consts and 8 in consts  # rows, ring length, scratch index

@@ -31,6 +31,7 @@ import torch
 import helion
 import helion.language as hl
 
+from . import direct_launch
 from .ops import _no_flush  # the cached all-zero force_flush (never written)
 
 __all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
@@ -84,12 +85,29 @@ def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torc
                    ring_length: int) -> None:
     """One kernel launch: ``cursors [S+1]``, ``slots [B]``, ``force_flush [B]`` int32 (or None) on one
     device, ``1 <= B <= MAX_ROWS``. No validation (the pool validates); the caller makes the device
-    current."""
+    current. On CUDA, repeated calls of the same metadata launch the compiled kernel directly
+    (:mod:`.direct_launch`; the key holds the tensors' metadata and ``ring_length``, which with them
+    determine every integer the launch passes: ``B``, the strides, the scratch index)."""
     B = slots.shape[0]
     if force_flush is None:
         force_flush = _no_flush(B, slots.device)
     block, warps = launch_choice(B)
-    advance_kernel_for(block, warps)(cursors, slots, force_flush, ring_length)
+    device = cursors.device
+    direct = device.type == "cuda" and direct_launch.ENABLED
+    if direct:
+        inputs = (cursors, slots, force_flush)
+        addresses, meta = direct_launch.tensor_key(inputs)
+        key = (block, warps, int(ring_length), device.index, meta)
+        if DIRECT_PLANS.try_launch(key, addresses, {}, device):
+            return
+    kern = advance_kernel_for(block, warps)
+    args = (cursors, slots, force_flush, ring_length)
+    kern(*args)
+    if direct and key not in DIRECT_PLANS.plans:
+        DIRECT_PLANS.record(key, kern.bind(args).compile_config(kern.configs[0]), args, (0, 1, 2, None), inputs, {})
+
+
+DIRECT_PLANS = direct_launch.PlanCache("cursor_advance")
 
 
 def advance_torch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
