@@ -71,3 +71,13 @@ def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
     cpu_config, _ = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
                                           torch.device("cpu"))
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
+
+
+def test_configs_with_nested_lists_compile_to_the_same_config() -> None:
+    """``loop_orders`` is a list of lists: the compiled-kernel cache key must still hash, and the kernel
+    must get back exactly the config it was asked for (the sixth session's sweep failed on this)."""
+    config = helion.Config(**{**configs.launch_config(128, 4, 2, evict_state_first=True).config,
+                              "loop_orders": [[1, 2, 0, 3]]})
+    kern = kernel.decode_kernel_for(config)
+    assert kern.configs[0].config == config.config
+    assert kernel.decode_kernel_for(config) is kern

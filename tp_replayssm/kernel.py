@@ -197,12 +197,20 @@ _SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
 
 @functools.lru_cache(maxsize=None)
 def _compiled(config_items: tuple[tuple[str, object], ...]) -> helion.Kernel:
-    config = helion.Config(**{k: list(v) if isinstance(v, tuple) else v for k, v in config_items})
+    config = helion.Config(**{k: _as_lists(v) for k, v in config_items})
     return helion.kernel(replayssm_decode_kernel, config=config, **_SETTINGS)
 
 
+def _as_tuples(v: object) -> object:  # nested lists (``loop_orders=[[...]]``) -> hashable tuples
+    return tuple(_as_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+def _as_lists(v: object) -> object:
+    return [_as_lists(x) for x in v] if isinstance(v, tuple) else v
+
+
 def _key(config: helion.Config) -> tuple[tuple[str, object], ...]:
-    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in config.config.items()))
+    return tuple(sorted((k, _as_tuples(v)) for k, v in config.config.items()))
 
 
 # hot-path cache by config object identity (the pinned configs are module constants); the config is
