@@ -40,17 +40,15 @@ STATE_LOADS = (1, 13)
 
 @functools.lru_cache(maxsize=None)
 def launch_config(vt: int, warps: int, replay_stages: int, maxnreg: int | None = None,
-                  programs_per_sm: int | None = None, evict_state_first: bool = False,
-                  heads_first: bool = False) -> helion.Config:
+                  programs_per_sm: int | None = None, evict_state_first: bool = False) -> helion.Config:
     """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
     makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles); only
     then may ``maxnreg`` cap the registers per thread (ptxas), which sets how many programs an SM holds.
     ``evict_state_first`` loads the checkpoint chunks with ``evict_first`` (each is read once per step;
-    the L2 keeps the ring entries and inputs instead). ``heads_first`` orders the programs head-major
-    within a row (``loop_orders``), so consecutive programs read one slot's adjacent ``[V, K]`` blocks."""
+    the L2 keeps the ring entries and inputs instead). The programs stay batch-major (consecutive
+    programs take consecutive rows of one head): head-major order was 14% slower with fp32 state
+    (benchmarks/RESULTS.md, sixth session)."""
     extra: dict[str, object] = {}
-    if heads_first:
-        extra["loop_orders"] = [[2, 1, 0, 3]]  # grid [B, H, group, V/vt], first listed varies fastest: hv = h*r + sub
     if evict_state_first:
         extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
     if programs_per_sm is not None:
@@ -82,7 +80,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return launch_config(vt, warps, 2, evict_state_first=evict, heads_first=evict), min(chunk, vt)
+    return launch_config(vt, warps, 2, evict_state_first=evict), min(chunk, vt)
 
 
 def tiny_batch(dims: DecodeDims) -> bool:
