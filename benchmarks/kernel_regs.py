@@ -41,24 +41,12 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(REPO))
-    from tp_replayssm import configs, kernel, ops
-    from tp_replayssm._validation import validate_decode_inputs
-    from tp_replayssm.testing import random_decode_inputs, random_head_params
+    from tp_replayssm import kernel
+    from tp_replayssm.testing import example_kernel_args
 
-    B, H, K, V, L = 64, heads, 128, 128, 16
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
-    inp = random_decode_inputs(B, H, H, K, V)
-    p = random_head_params(H, K)
-    caches = (torch.zeros(B, H, V, K, dtype=sdt), torch.zeros(B, H, L, V, dtype=torch.bfloat16),
-              torch.zeros(B, H, L, K, dtype=torch.bfloat16), torch.zeros(B, H, L, K))
-    out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
-    slots = torch.arange(B, dtype=torch.int32)
-    zeros = torch.zeros(B, dtype=torch.int32)
-    lb = -5.0 if lower_bound else None
-    dims = validate_decode_inputs(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, *caches, out, slots,
-                                  zeros, zeros, lb)
-    args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, zeros,
-                           zeros, True, lb, vc, False, tiny)
+    args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
+                               tiny=tiny)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own

@@ -14,23 +14,13 @@ import pytest
 import torch
 
 import helion
-from tp_replayssm import configs, kernel, ops
+from tp_replayssm import configs, kernel
 from tp_replayssm._validation import DecodeDims
-from tp_replayssm.testing import random_decode_inputs, random_head_params
+from tp_replayssm.testing import example_kernel_args
 
 
 def _generated_code(config: helion.Config, chunk: int, state_dtype: torch.dtype, by_slot: bool, tiny: bool) -> str:
-    B, H, K, V, L, S = 64, 8, 128, 128, 16, 4
-    dims = DecodeDims(B, H, H, K, V, L, S)
-    inp = random_decode_inputs(B, H, H, K, V)
-    p = random_head_params(H, K)
-    caches = (torch.zeros(S, H, V, K, dtype=state_dtype), torch.zeros(S, H, L, V, dtype=torch.bfloat16),
-              torch.zeros(S, H, L, K, dtype=torch.bfloat16), torch.zeros(S, H, L, K))
-    out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
-    rows = torch.zeros(B, dtype=torch.int32)
-    cursors = torch.zeros(S + 1 if by_slot else B, dtype=torch.int32)
-    args = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, rows, cursors,
-                           rows, True, None, chunk, by_slot, tiny)
+    args = example_kernel_args(state_dtype=state_dtype, value_chunk=chunk, cursors_by_slot=by_slot, tiny=tiny)
     return helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
         .to_triton_code(config)
 
