@@ -31,7 +31,8 @@ CASES = [(torch.float32, False, False), (torch.float32, True, False), (torch.flo
 
 
 @pytest.mark.parametrize("state_dtype,by_slot,tiny", CASES,
-                         ids=["fp32-row-batch", "fp32-slot-batch", "fp32-row-tiny", "bf16-slot-batch", "bf16-slot-tiny"])
+                         ids=["fp32-row-batch", "fp32-slot-batch", "fp32-row-tiny", "bf16-slot-batch",
+                              "bf16-slot-tiny"])
 def test_the_state_eviction_policy_lands_on_the_checkpoint_loads(state_dtype: torch.dtype, by_slot: bool,
                                                                  tiny: bool) -> None:
     config = configs.launch_config(128, 4, 2, evict_state_first=True)

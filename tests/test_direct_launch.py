@@ -213,7 +213,8 @@ def test_the_advance_kernel_host_code_launches_its_inputs() -> None:
     block, warps = cursor_kernel.launch_choice(B)
     kern = cursor_kernel.advance_kernel_for(block, warps)
     launches: list[tuple] = []
-    kern.bind(args).compile_config(kern.configs[0])(*args, _launcher=lambda fn, grid, *la, **kw: launches.append((la, kw)))
+    host = kern.bind(args).compile_config(kern.configs[0])
+    host(*args, _launcher=lambda fn, grid, *la, **kw: launches.append((la, kw)))
     (largs, kwargs), = launches
     assert set(kwargs) == {"num_warps", "num_stages"}
     sources = direct_launch.launch_sources(largs, args, (0, 1, 2, None), inputs, {})

@@ -9,14 +9,17 @@ the normal path, and then a :class:`LaunchPlan` is recorded for it: the compiled
 grid, and for each argument of the Triton launch where its value comes from. Later calls whose
 metadata key matches go straight to the compiled kernel's C launcher with integer device addresses.
 
-The key (:func:`plan_key`) holds everything the compiled code or the argument values can depend on
+The key (built by the caller, ``ops.launch`` or ``cursor_kernel.advance_launch``, with
+:func:`tensor_key`) must hold everything the compiled code or the argument values can depend on
 besides the data addresses and the runtime scalars: the launch choice (config object, value chunk,
-constexpr flags), the device, and for every input tensor its dtype, shape, strides and its address
-modulo 16 (Triton specializes pointers on 16-byte alignment). Views the op builds (``q3``, the cache
-row views, ...) are functions of that metadata, so each view's address is its input's address plus a
-fixed byte offset, recorded once. Integer arguments of the launch (strides, sizes) are functions of the
-key too and are recorded as constants; the only runtime scalar is ``scale``. A launch the recorder does
-not understand (an unexpected argument kind or launcher option) gets no plan and keeps the normal path.
+constexpr flags, integer arguments such as ``ring_length``), the device, and for every input tensor
+its dtype, shape, strides and its address modulo 16 (Triton specializes pointers on 16-byte
+alignment). Views the op builds (``q3``, the cache row views, ...) are functions of that metadata,
+so each view's address is its input's address plus a fixed byte offset, recorded once. Integer
+arguments of the launch (strides, sizes) are functions of the key too and are recorded as constants;
+the decode kernel's runtime scalars are ``scale`` and ``lower_bound``. A launch the recorder does
+not understand (an unexpected argument kind or launcher option) gets no plan and keeps the normal
+path.
 
 Only CUDA launches take this path; the interpreter runs and a launch hook set on Triton
 (``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) keep the normal one. Setting
@@ -152,8 +155,10 @@ def _plan_from(calls: list[tuple], args: Sequence[object], arg_inputs: Sequence[
     if len(calls) != 1:
         return None
     grid, largs, kwargs, compiled = calls[0]
-    if compiled is None or set(kwargs) != {"num_warps", "num_stages"} or len(grid) > 3 or not all(isinstance(g, int) for g in grid):
+    if compiled is None or set(kwargs) != {"num_warps", "num_stages"}:
         return None  # launcher options this recorder does not replay
+    if len(grid) > 3 or not all(isinstance(g, int) for g in grid):
+        return None
     sources = launch_sources(largs, args, arg_inputs, inputs, scalar_names)
     if sources is None:
         return None

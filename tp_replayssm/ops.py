@@ -148,7 +148,8 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         addresses, meta = direct_launch.tensor_key(inputs)
         _CONFIGS.setdefault(id(config), config)  # so an id in a key is never reused by another config
         key = (id(config), value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, device.index, meta)
-        if DIRECT_PLANS.try_launch(key, addresses, {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, device):
+        scalars = {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}
+        if DIRECT_PLANS.try_launch(key, addresses, scalars, device):
             return
     args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
                        slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot, tiny)
