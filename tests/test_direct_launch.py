@@ -10,6 +10,8 @@ dispatch.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -115,6 +117,55 @@ def test_record_then_replay_with_integer_addresses(monkeypatch: pytest.MonkeyPat
     assert jit.compiled.launches == [(6, 1, 1, 1234, 0xF00, ("meta",), None, None, None, 2000, 1016, 7, 0.125, 128)]
     assert not cache.try_launch(("other",), addresses, {"scale": 0.125}, torch.device("cuda", 0))
     assert cache.hits == 1
+
+
+class _FakeHelionKernel:
+    """Stands for a Helion kernel pinned to one config: calling it launches the normal way (counted);
+    ``bind(args).compile_config(config)`` gives the generated host code."""
+
+    def __init__(self, jit: _FakeJit) -> None:
+        self.jit = jit
+        self.normal_calls = 0
+        self.config = object()
+
+    def __call__(self, *args: object) -> None:
+        self.normal_calls += 1
+
+    def bind(self, args: tuple) -> _FakeHelionKernel:
+        return self
+
+    def compile_config(self, config: object):  # noqa: ANN201
+        assert config is self.config
+        return _host(self.jit)
+
+
+def test_launch_takes_the_normal_path_once_then_the_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    jit = _FakeJit()
+    kern = _FakeHelionKernel(jit)
+    cache = direct_launch.PlanCache("fake")
+    monkeypatch.setattr(direct_launch, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "device_guard", lambda device: contextlib.nullcontext())
+    cuda = torch.device("cuda", 0)
+    made: list[tuple] = []
+
+    def launch(inputs, args, scale: float) -> None:  # noqa: ANN001
+        cache.launch(kern, kern.config, lambda: made.append(args) or args, inputs, cuda, ("extra",),
+                     (0, 1, None, None), {"scale": scale}, {2: "scale"})
+
+    inputs, args, _ = _views()
+    launch(inputs, args, 0.5)  # normal launch, then the plan is recorded
+    assert kern.normal_calls == 1 and len(made) == 1 and cache.hits == 0 and not jit.compiled.launches
+    inputs2, args2, _ = _views()  # fresh tensors, same metadata: the plan, no argument building
+    launch(inputs2, args2, 0.25)
+    assert kern.normal_calls == 1 and len(made) == 1 and cache.hits == 1
+    (launched,) = jit.compiled.launches
+    assert launched[9:] == (inputs2[1].data_ptr(), inputs2[0].data_ptr() + 16, 7, 0.25, 128)
+    launch((inputs2[0][:40], inputs2[1]), args2, 0.25)  # another shape of input 0: a new key, normal path
+    assert kern.normal_calls == 2 and cache.hits == 1
+    cpu_kern = _FakeHelionKernel(jit)
+    cache.launch(cpu_kern, cpu_kern.config, lambda: args, inputs, torch.device("cpu"), (), (0, 1, None, None))
+    assert cpu_kern.normal_calls == 1 and len(cache.plans) == 2  # off CUDA: never a plan
 
 
 @pytest.mark.parametrize("case", ["launcher_option", "two_launches", "foreign_tensor", "ambiguous_tensor"])

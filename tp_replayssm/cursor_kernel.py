@@ -92,19 +92,9 @@ def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torc
     if force_flush is None:
         force_flush = _no_flush(B, slots.device)
     block, warps = launch_choice(B)
-    device = cursors.device
-    direct = device.type == "cuda" and direct_launch.ENABLED
-    if direct:
-        inputs = (cursors, slots, force_flush)
-        addresses, meta = direct_launch.tensor_key(inputs)
-        key = (block, warps, int(ring_length), device.index, meta)
-        if DIRECT_PLANS.try_launch(key, addresses, {}, device):
-            return
     kern = advance_kernel_for(block, warps)
-    args = (cursors, slots, force_flush, ring_length)
-    kern(*args)
-    if direct and key not in DIRECT_PLANS.plans:
-        DIRECT_PLANS.record(key, kern.bind(args).compile_config(kern.configs[0]), args, (0, 1, 2, None), inputs, {})
+    DIRECT_PLANS.launch(kern, kern.configs[0], lambda: (cursors, slots, force_flush, ring_length),
+                        (cursors, slots, force_flush), cursors.device, (int(ring_length),), (0, 1, 2, None))
 
 
 DIRECT_PLANS = direct_launch.PlanCache("cursor_advance")

@@ -28,6 +28,7 @@ Only CUDA launches take this path; the interpreter runs and a launch hook set on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -68,6 +69,31 @@ class PlanCache:
         self.name = name
         self.plans: dict[tuple, LaunchPlan | None] = {}
         self.hits = 0  # direct launches so far (tests read it)
+        self._configs: dict[int, Any] = {}  # configs named (by id) in keys: an id is never reused
+
+    def launch(self, kernel: Any, config: Any, make_args: Callable[[], Sequence[object]],
+               inputs: Sequence[torch.Tensor], device: torch.device, key: tuple,
+               arg_inputs: Sequence[int | None], scalars: dict[str, object] | None = None,
+               scalar_positions: dict[int, str] | None = None) -> None:
+        """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views
+        of ``inputs`` (``arg_inputs``, as in :meth:`record`). On CUDA: directly when this call's key has a
+        plan, else the normal way (under a device guard), recording a plan. The key is ``config``, ``key``
+        (everything else the launch depends on besides the inputs' metadata), the device and
+        :func:`tensor_key` of ``inputs``; ``scalars`` are the values of the runtime scalars by name,
+        ``scalar_positions`` their positions in the arguments. ``make_args`` runs only on the normal path."""
+        direct = device.type == "cuda" and ENABLED
+        if direct:
+            addresses, meta = tensor_key(inputs)
+            self._configs.setdefault(id(config), config)
+            full_key = (id(config), *key, device.index, meta)
+            if self.try_launch(full_key, addresses, scalars or {}, device):
+                return
+        args = make_args()
+        with device_guard(device):
+            kernel(*args)
+            if direct and full_key not in self.plans:
+                self.record(full_key, kernel.bind(args).compile_config(config), args, arg_inputs, inputs,
+                            scalar_positions or {})
 
     def try_launch(self, key: tuple, addresses: Sequence[int], scalars: dict[str, object],
                    device: torch.device) -> bool:
@@ -138,6 +164,11 @@ def current_stream(index: int) -> int:
 
 def current_device() -> int:
     return torch._C._cuda_getDevice()
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """``device`` made current for a CUDA launch; nothing elsewhere (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _hooks_off() -> bool:

@@ -8,7 +8,6 @@ without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 
@@ -140,35 +139,23 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     install_libdevice_shim()
     config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
     tiny = tiny_batch(dims)
-    device = mixed_qkv.device
-    direct = device.type == "cuda" and direct_launch.ENABLED
-    if direct:
-        inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
-                  slots, write_pos, force_flush)
-        addresses, meta = direct_launch.tensor_key(inputs)
-        _CONFIGS.setdefault(id(config), config)  # so an id in a key is never reused by another config
-        key = (id(config), value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, device.index, meta)
-        scalars = {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}
-        if DIRECT_PLANS.try_launch(key, addresses, scalars, device):
-            return
-    args = kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                       slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk, cursors_by_slot, tiny)
-    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    kern = _kernel.decode_kernel_for(config)
-    with guard:
-        kern(*args)
-        if direct and key not in DIRECT_PLANS.plans:
-            host = kern.bind(args).compile_config(config)
-            DIRECT_PLANS.record(key, host, args, KERNEL_ARG_INPUTS, inputs, {15: "scale", 16: "lower_bound"})
+    inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
+              slots, write_pos, force_flush)
+    DIRECT_PLANS.launch(
+        _kernel.decode_kernel_for(config), config,
+        lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
+                            out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
+                            cursors_by_slot, tiny),
+        inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny), KERNEL_ARG_INPUTS,
+        {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"})
 
 
 def _lower_bound_arg(lower_bound: float | None) -> float:
     return 0.0 if lower_bound is None else float(lower_bound)
 
 
-# Direct-launch plans of the decode kernel; ids of the configs named in their keys
+# Direct-launch plans of the decode kernel
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
-_CONFIGS: dict[int, object] = {}
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
 KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 21
