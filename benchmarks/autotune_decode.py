@@ -61,7 +61,7 @@ def main() -> None:
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
     dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
                       num_slots=B)
-    pinned, chunk = configs.select_config(dims, sdt, torch.device("cuda"))
+    pinned, chunk, _ = configs.select_config(dims, sdt, torch.device("cuda"))
     prob = make_problem(B, HV, HV, L, sdt, 1)
     inp, p = prob["inputs"][0], prob["p"]
     zeros = torch.zeros(B, dtype=torch.int32, device="cuda")

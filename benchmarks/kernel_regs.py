@@ -27,11 +27,13 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
-                     tiny: bool = False) -> dict[str, int]:
-    """``{"regs", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
+                     tiny: bool = False, maxnreg: int | None = None) -> dict[str, int]:
+    """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
-    tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it)."""
+    tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
+    register cap). Register spills show up as ``stack`` bytes per thread (ptxas's stack frame; the
+    H200's Triton reports the same kernels' ``n_spills`` > 0 exactly when it is nonzero)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -75,8 +77,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
                  if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=1,
-                                               **({"maxnreg": config.config["maxnreg"]}
-                                                  if config.config.get("maxnreg") else {})))
+                                               **({"maxnreg": maxnreg} if maxnreg else {})))
         if os.environ.get("KERNEL_REGS_DUMP"):  # debugging aid: keep the generated code, PTX and SASS
             dump = Path(os.environ["KERNEL_REGS_DUMP"])
             dump.mkdir(parents=True, exist_ok=True)
@@ -91,10 +92,10 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
             (Path(os.environ["KERNEL_REGS_DUMP"]) / "kernel.sass").write_text(sass)
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
-    m = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
-    res = dict(zip(("regs", "shared", "local"), map(int, m.groups())))
+    res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
     res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
     return res
 
@@ -114,7 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from tp_replayssm import configs
-    config = configs.launch_config(args.vt, args.warps, args.replay_stages, args.maxnreg)
+    config = configs.launch_config(args.vt, args.warps, args.replay_stages)
     if args.loops != 3:
         import helion
         stages = ([0] * args.loops + [args.replay_stages])[-args.loops:] if args.loops else []
@@ -125,9 +126,9 @@ def main() -> None:
         from experiments.variants import load_kernel
 
         kernel_fn = load_kernel(args.kernel)
-    r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn)
+    r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg)
     print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state}: "
-          f"{r['regs']} registers/thread, {r['shared']} B shared, {r['local']} B local (spills)")
+          f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 
 if __name__ == "__main__":

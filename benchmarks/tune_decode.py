@@ -92,7 +92,7 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def op_launch(choice: tuple[helion.Config, int] | None):
+def op_launch(choice):  # noqa: ANN001 - a configs.LaunchChoice, or None for the library's own
     from tp_replayssm import configs, ops
 
     def launch(prob: dict, slots: torch.Tensor, c: int) -> None:
@@ -147,15 +147,18 @@ def register_report() -> None:
                           f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
 
 
-def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict) -> tuple[helion.Config, int]:
-    """The library's pinned ``(config, value_chunk)`` for this shape with some config keys replaced."""
+def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict):  # -> configs.LaunchChoice
+    """The library's pinned launch choice for this shape with some config keys replaced (the key
+    ``maxnreg`` sets the choice's register cap, not a Helion config key)."""
     from tp_replayssm import configs
     from tp_replayssm._validation import DecodeDims
 
     dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
                       num_slots=B)
-    config, chunk = configs.select_config(dims, state_dtype, torch.device("cuda"))
-    return helion.Config(**{**config.config, **changes}), chunk
+    choice = configs.select_config(dims, state_dtype, torch.device("cuda"))
+    changes = dict(changes)
+    maxnreg = changes.pop("maxnreg", choice.maxnreg)
+    return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), choice.value_chunk, maxnreg)
 
 
 def main() -> None:
@@ -166,7 +169,7 @@ def main() -> None:
     ap.add_argument("--ring", type=int, default=16)
     ap.add_argument("--cands", nargs="+", default=["128:16:4", "128:32:4", "64:32:4", "32:32:4"],
                     help="candidates VT:VC:WARPS[:MAXNREG[:PER_SM]] (value tile, value chunk, warps, register cap per "
-                         "thread (0 = none), persistent grid with PER_SM programs per SM)")
+                         "thread (0 = none), persistent grid with PER_SM programs per SM (0 = not persistent))")
     ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
                     help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
@@ -179,7 +182,8 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     ap.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
                     help="also time the library's pinned choice for the shape with these Helion config keys "
-                         "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it)")
+                         "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it; "
+                         "the key maxnreg sets the register cap)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
@@ -201,8 +205,8 @@ def main() -> None:
         n_sets = max(1, min(16, (512 * 1024**2) // per_set))
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
-            (configs.launch_config(c[0], c[2], rs, c[3] or None if len(c) > 3 else None,
-                                   c[4] if len(c) > 4 else None), c[1])
+            configs.LaunchChoice(configs.launch_config(c[0], c[2], rs, (c + (0, 0))[4] or None), c[1],
+                                 (c + (0,))[3] or None)
             for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
         ]
         overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
@@ -212,7 +216,7 @@ def main() -> None:
             name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
                 "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
                 cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][-1],
-                cfg[0].config.get("maxnreg") or 0, cfg[0].config.get("num_sm_multiplier") or 0)
+                cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0)
             if kname != "lib":
                 name = f"{kname}:{name}"
             try:

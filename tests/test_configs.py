@@ -50,17 +50,18 @@ def test_the_state_eviction_policy_lands_on_the_checkpoint_loads(state_dtype: to
 
 def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
     dev = torch.device("cuda", 0)
-    for batch, heads, expected in ((512, 32, True), (16, 32, True), (128, 8, True), (8, 32, False), (1, 8, False)):
+    for batch, heads, expected in ((512, 32, True), (512, 8, True), (128, 32, True), (64, 32, False), (16, 32, False),
+                                   (8, 32, False), (1, 8, False)):
         dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
         for state in (torch.float32, torch.bfloat16):
-            config, _ = configs.select_config(dims, state, dev)
+            config = configs.select_config(dims, state, dev).config
             pinned = "load_eviction_policies" in config.config
             assert pinned == expected, (batch, heads, state)
             if pinned:
                 policies = config.config["load_eviction_policies"]
                 assert [i for i, p in enumerate(policies) if p] == list(configs.STATE_LOADS)
-    cpu_config, _ = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
-                                          torch.device("cpu"))
+    cpu_config = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
+                                       torch.device("cpu")).config
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
 
 

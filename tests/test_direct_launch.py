@@ -168,6 +168,46 @@ def test_launch_takes_the_normal_path_once_then_the_plan(monkeypatch: pytest.Mon
     assert cpu_kern.normal_calls == 1 and len(cache.plans) == 2  # off CUDA: never a plan
 
 
+def test_compile_options_reach_triton_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launch choice's register cap (``options``) goes to Triton through Helion's launcher on the normal
+    path and into the recorded plan's compile; it is part of the key; None means no option."""
+    import helion.runtime
+
+    seen: list[tuple[bool, dict]] = []
+
+    def helion_launcher(triton_kernel, grid, *args, **kwargs):  # noqa: ANN001, ANN202
+        recording = isinstance(triton_kernel, direct_launch._CompileOnly)
+        seen.append((recording, kwargs))
+        return triton_kernel.run(*args, grid=grid, **kwargs) if recording else None
+
+    monkeypatch.setattr(helion.runtime, "default_launcher", helion_launcher)
+    monkeypatch.setattr(direct_launch, "current_stream", lambda index: 1234)
+    monkeypatch.setattr(direct_launch, "current_device", lambda: 0)
+    monkeypatch.setattr(direct_launch, "device_guard", lambda device: contextlib.nullcontext())
+    jit = _FakeJit()
+    kern = _FakeHelionKernel(jit)
+    cache = direct_launch.PlanCache("fake")
+    inputs, args, arg_inputs = _views()
+
+    def launch(options: dict) -> None:
+        cache.launch(kern, kern.config, lambda: args, inputs, torch.device("cuda", 0), (), arg_inputs,
+                     {"scale": 0.5}, {2: "scale"}, options)
+
+    launch({"maxnreg": 64})
+    capped = {"num_warps": 4, "num_stages": 1, "maxnreg": 64}
+    assert kern.normal_calls == 0  # not kernel(*args): the generated host code with Helion's launcher
+    assert seen == [(False, capped), (True, capped)]  # the launch, then the recording of the same kernel
+    assert jit.runs == [dict(grid=(6,), warmup=True, **capped)]
+    launch({"maxnreg": 64})
+    assert cache.hits == 1 and len(seen) == 2 and jit.compiled.launches
+    launch({"maxnreg": None})  # no cap: another key, the plain normal path, its own plan
+    assert kern.normal_calls == 1 and cache.hits == 1 and len(cache.plans) == 2
+    assert seen[-1] == (True, {"num_warps": 4, "num_stages": 1})
+    # Helion's own launcher options that only shape the compiled kernel are replayed (PDL, a cap)
+    pdl = _host(jit, extra={"launch_pdl": True})
+    assert cache.record(("pdl",), pdl, args, arg_inputs, inputs, {2: "scale"}) is not None
+
+
 @pytest.mark.parametrize("case", ["launcher_option", "two_launches", "foreign_tensor", "ambiguous_tensor"])
 def test_unrecordable_launches_keep_the_normal_path(case: str) -> None:
     jit = _FakeJit()
@@ -233,7 +273,7 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
 
     dims, inputs = _decode_inputs(lower_bound)
     scale = 0.3
-    config, value_chunk = select_config(dims, torch.float32, torch.device("cpu"))
+    config, value_chunk, _ = select_config(dims, torch.float32, torch.device("cpu"))
     args = ops.kernel_args(dims, *inputs[:5], scale, *inputs[5:], True, lower_bound, value_chunk)
     kern = decode_kernel.decode_kernel_for(config)
     host = kern.bind(args).compile_config(config)

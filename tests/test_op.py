@@ -203,24 +203,27 @@ def test_gpu_config_choice_is_stable_and_cached() -> None:
 
     cuda = torch.device("cuda", 0)
 
-    def tiles(batch: int, hv: int, v: int = 128) -> tuple[int, int]:
-        dims = DecodeDims(batch=batch, num_q_heads=hv, num_v_heads=hv, key_dim=128, value_dim=v, ring_length=16,
+    def tiles(batch: int, hv: int, v: int = 128, k: int = 128,
+              state: torch.dtype = torch.float32) -> tuple[int, int, int]:
+        dims = DecodeDims(batch=batch, num_q_heads=hv, num_v_heads=hv, key_dim=k, value_dim=v, ring_length=16,
                           num_slots=batch)
-        config, chunk = select_config(dims, torch.float32, cuda)
-        again, _ = select_config(dims, torch.float32, cuda)
-        assert config is again
+        config, chunk, maxnreg = select_config(dims, state, cuda)
+        again = select_config(dims, state, cuda).config
+        assert config is again and maxnreg is None
         vt = config.config["block_sizes"][0]
         assert chunk <= vt and vt % chunk == 0
-        return vt, chunk
+        return vt, chunk, config.config["num_warps"]
 
-    # (value tile, value chunk) per regime of B * HV, fp32 state (benchmarks/RESULTS.md, 2026-11-29 sweep)
-    assert [tiles(1, 8), tiles(1, 32), tiles(8, 8), tiles(8, 32), tiles(16, 32), tiles(512, 32)] == [
-        (16, 16), (32, 32), (64, 32), (64, 16), (128, 16), (128, 16)]
-    assert tiles(512, 32, v=64) == (64, 16)
-    dims = DecodeDims(batch=512, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
-                      num_slots=512)
-    assert select_config(dims, torch.bfloat16, cuda)[1] == 32  # 8 KiB chunks: 32 bf16 rows of K = 128
-    cpu, cpu_chunk = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
+    # (value tile, value chunk, warps) per regime of B * HV (benchmarks/RESULTS.md, seventh session)
+    assert [tiles(1, 8), tiles(1, 32), tiles(8, 8), tiles(8, 32), tiles(16, 32), tiles(32, 32),
+            tiles(512, 32)] == [(16, 16, 4), (32, 32, 4), (64, 32, 4), (32, 16, 1), (64, 16, 1), (128, 16, 1),
+                                (128, 16, 1)]
+    assert tiles(512, 32, v=64) == (64, 16, 1)
+    assert tiles(512, 32, state=torch.bfloat16) == (128, 16, 1)
+    # keys wider than 128 keep 4-warp programs (one warp's [16, K] tiles would spill), 8 KiB chunks
+    assert tiles(512, 32, k=256) == (128, 16, 4) and tiles(512, 32, k=256, state=torch.bfloat16) == (128, 16, 4)
+    assert tiles(8, 32, k=256) == (64, 16, 2)
+    cpu, cpu_chunk, _ = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
     assert cpu.config["indexing"] == "pointer" and cpu_chunk < cpu.config["block_sizes"][0]
 
 

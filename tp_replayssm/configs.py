@@ -14,6 +14,7 @@ interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -21,8 +22,20 @@ import helion
 
 from ._validation import DecodeDims
 
-# Set by benchmarks/tune_decode.py to time a candidate (config, value_chunk); None in normal use.
-FORCED: tuple[helion.Config, int] | None = None
+
+class LaunchChoice(NamedTuple):
+    """One launch of the decode kernel: the Helion ``config``, the kernel's ``value_chunk`` constant and
+    ``maxnreg``, a ptxas cap on registers per thread (None: no cap). Helion 1.5.0 accepts ``maxnreg`` in a
+    config only with a persistent grid, so the cap travels beside the config and reaches Triton as a
+    launcher option (:meth:`tp_replayssm.direct_launch.PlanCache.launch`)."""
+
+    config: helion.Config
+    value_chunk: int
+    maxnreg: int | None = None
+
+
+# Set by benchmarks/tune_decode.py to time a candidate; None in normal use.
+FORCED: LaunchChoice | None = None
 # Set by tests and benchmarks/tune_decode.py to force the tiny-batch code path; None in normal use.
 FORCED_TINY_BATCH: bool | None = None
 
@@ -39,11 +52,10 @@ STATE_LOADS = (1, 13)
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(vt: int, warps: int, replay_stages: int, maxnreg: int | None = None,
-                  programs_per_sm: int | None = None, evict_state_first: bool = False) -> helion.Config:
+def launch_config(vt: int, warps: int, replay_stages: int, programs_per_sm: int | None = None,
+                  evict_state_first: bool = False) -> helion.Config:
     """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
-    makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles); only
-    then may ``maxnreg`` cap the registers per thread (ptxas), which sets how many programs an SM holds.
+    makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles).
     ``evict_state_first`` loads the checkpoint chunks with ``evict_first`` (each is read once per step;
     the L2 keeps the ring entries and inputs instead). The programs stay batch-major (consecutive
     programs take consecutive rows of one head): head-major order was 14% slower with fp32 state
@@ -53,24 +65,35 @@ def launch_config(vt: int, warps: int, replay_stages: int, maxnreg: int | None =
         extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
     if programs_per_sm is not None:
         extra.update(pid_type="persistent_interleaved", num_sm_multiplier=programs_per_sm)
-    if maxnreg is not None:
-        extra["maxnreg"] = maxnreg
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
                          range_num_stages=[0, 0, replay_stages], **extra)
 
 
-def select_config(dims: DecodeDims, state_dtype: torch.dtype,
-                  device: torch.device) -> tuple[helion.Config, int]:
-    """The pinned ``(config, value_chunk)`` for one call (see the module docstring)."""
+def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device) -> LaunchChoice:
+    """The pinned launch choice for one call (see the module docstring)."""
     if device.type != "cuda":
-        return launch_config(32, 4, 0), 16
+        return LaunchChoice(launch_config(32, 4, 0), 16)
     if FORCED is not None:
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
     evict = False
-    if programs_full >= 512:  # enough (row, head) pairs: one program streams all of V in 8 KiB chunks
+    # One warp per program from 128 (row, head) pairs up: no cross-warp reductions, scans or layout
+    # conversions (no barriers), and 8 KiB fp32 chunks in flight per warp. A [16, K] fp32 tile is 64
+    # registers per thread at K = 128 (~254 in all, no spills, 8 programs per SM), so wider keys keep the
+    # 4-warp programs. The value tile is the widest of 128 / 64 / 32 that still makes >= 1024 programs
+    # (about one full wave of 132 SMs x 8). H200, 2026-11-30 (seventh session), us/step against the
+    # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
+    # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
+    # one warp was slower (HV8 B8 6.6 -> 7.2, B = 1 up to 2x). Evict-first checkpoint loads: -1% to -3%
+    # at 4096+ pairs, +12% at 512 (HV32 B16, vt 128).
+    one_warp = dims.key_dim <= 128
+    if programs_full >= 128 and one_warp:
+        vt = 128 if programs_full >= 1024 else 64 if programs_full >= 512 else 32
+        chunk, warps = 16, 1
+        evict = programs_full >= 4096
+    elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
-        evict = True  # H200, B = 512: -0.6% (HV32 fp32) to -1.9% (HV8 bf16), benchmarks/RESULTS.md (sixth session)
+        evict = True
     elif programs_full >= 128:
         vt, chunk, warps = 64, 16, 2
     elif programs_full >= 64:
@@ -80,7 +103,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype,
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return launch_config(vt, warps, 2, evict_state_first=evict), min(chunk, vt)
+    return LaunchChoice(launch_config(vt, warps, 2, evict_state_first=evict), min(chunk, vt))
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

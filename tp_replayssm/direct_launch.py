@@ -74,26 +74,32 @@ class PlanCache:
     def launch(self, kernel: Any, config: Any, make_args: Callable[[], Sequence[object]],
                inputs: Sequence[torch.Tensor], device: torch.device, key: tuple,
                arg_inputs: Sequence[int | None], scalars: dict[str, object] | None = None,
-               scalar_positions: dict[int, str] | None = None) -> None:
+               scalar_positions: dict[int, str] | None = None, options: dict[str, object] | None = None) -> None:
         """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views
         of ``inputs`` (``arg_inputs``, as in :meth:`record`). On CUDA: directly when this call's key has a
         plan, else the normal way (under a device guard), recording a plan. The key is ``config``, ``key``
-        (everything else the launch depends on besides the inputs' metadata), the device and
+        (everything else the launch depends on besides the inputs' metadata), ``options``, the device and
         :func:`tensor_key` of ``inputs``; ``scalars`` are the values of the runtime scalars by name,
-        ``scalar_positions`` their positions in the arguments. ``make_args`` runs only on the normal path."""
+        ``scalar_positions`` their positions in the arguments. ``options`` are extra Triton compile
+        options (``{"maxnreg": 64}``) that Helion's config cannot carry: the normal path passes them to
+        Triton through Helion's launcher. ``make_args`` runs only on the normal path."""
+        options = {k: v for k, v in (options or {}).items() if v is not None}
         direct = device.type == "cuda" and ENABLED
         if direct:
             addresses, meta = tensor_key(inputs)
             self._configs.setdefault(id(config), config)
-            full_key = (id(config), *key, device.index, meta)
+            full_key = (id(config), *key, tuple(sorted(options.items())), device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):
                 return
         args = make_args()
         with device_guard(device):
-            kernel(*args)
+            if options:
+                kernel.bind(args).compile_config(config)(*args, _launcher=_with_options(options))
+            else:
+                kernel(*args)
             if direct and full_key not in self.plans:
                 self.record(full_key, kernel.bind(args).compile_config(config), args, arg_inputs, inputs,
-                            scalar_positions or {})
+                            scalar_positions or {}, options)
 
     def try_launch(self, key: tuple, addresses: Sequence[int], scalars: dict[str, object],
                    device: torch.device) -> bool:
@@ -112,12 +118,12 @@ class PlanCache:
 
     def record(self, key: tuple, host: Callable[..., Any], args: Sequence[object],
                arg_inputs: Sequence[int | None], inputs: Sequence[torch.Tensor],
-               scalar_names: dict[int, str]) -> LaunchPlan | None:
+               scalar_names: dict[int, str], options: dict[str, object] | None = None) -> LaunchPlan | None:
         """Record the plan of ``key`` by running Helion's generated host function ``host(*args)`` with a
         launcher that compiles (or finds) the Triton kernel without launching it. ``arg_inputs[i]`` is the
         index in ``inputs`` of the tensor that ``args[i]`` is a view of (None for non-tensors);
         ``scalar_names`` names the positions of ``args`` that hold runtime scalars. The caller has
-        already launched the kernel for this call the normal way."""
+        already launched the kernel for this call the normal way, with the same ``options``."""
         if key in self.plans:
             return self.plans[key]
         calls: list[tuple] = []
@@ -126,7 +132,8 @@ class PlanCache:
             # Helion's own launcher, so Triton sees the very options of the launch that just ran (and
             # returns that compiled kernel from its cache), with the launch itself turned off
             compiled = None
-            if set(kwargs) <= {"num_warps", "num_stages"}:
+            kwargs = {**kwargs, **(options or {})}
+            if set(kwargs) <= _REPLAYED_OPTIONS:
                 compiled = helion_launcher(_CompileOnly(triton_kernel), grid, *largs, **kwargs)
             calls.append((grid, largs, kwargs, compiled))
             return compiled
@@ -144,6 +151,20 @@ class PlanCache:
             logger.info("%s: launch not recordable, eager calls keep Helion's dispatch", self.name)
         self.plans[key] = plan
         return plan
+
+
+# Launcher options that only shape the compiled kernel (the plan replays that kernel as compiled)
+_REPLAYED_OPTIONS = frozenset({"num_warps", "num_stages", "maxnreg", "launch_pdl"})
+
+
+def _with_options(options: dict[str, object]) -> Callable[..., Any]:
+    """Helion's default launcher with extra Triton compile options."""
+    from helion.runtime import default_launcher
+
+    def launcher(triton_kernel: Any, grid: tuple[int, ...], *args: object, **kwargs: object) -> Any:
+        return default_launcher(triton_kernel, grid, *args, **kwargs, **options)
+
+    return launcher
 
 
 class _CompileOnly:
@@ -186,7 +207,7 @@ def _plan_from(calls: list[tuple], args: Sequence[object], arg_inputs: Sequence[
     if len(calls) != 1:
         return None
     grid, largs, kwargs, compiled = calls[0]
-    if compiled is None or set(kwargs) != {"num_warps", "num_stages"}:
+    if compiled is None or not {"num_warps", "num_stages"} <= set(kwargs) <= _REPLAYED_OPTIONS:
         return None  # launcher options this recorder does not replay
     if len(grid) > 3 or not all(isinstance(g, int) for g in grid):
         return None

@@ -137,7 +137,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    config, value_chunk = select_config(dims, initial_state.dtype, mixed_qkv.device)
+    config, value_chunk, maxnreg = select_config(dims, initial_state.dtype, mixed_qkv.device)
     tiny = tiny_batch(dims)
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
@@ -147,7 +147,8 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
                             cursors_by_slot, tiny),
         inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny), KERNEL_ARG_INPUTS,
-        {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"})
+        {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
+        {"maxnreg": maxnreg})
 
 
 def _lower_bound_arg(lower_bound: float | None) -> float:

@@ -108,6 +108,18 @@ VARIANTS: dict[str, Variant] = {
         ("                    hl.store(state_rows, [st_base + rows * st_v, slice(None)], S_new.to(state_rows.dtype),",
          "                    hl.store(state_rows, [st_base + rows * st_v, kk], S_new.to(state_rows.dtype),"),
     ), False),
+    "pdl": Variant("programmatic dependent launch: wait for the previous kernel, then let the next one launch, "
+                   "both at entry (hl.pdl_wait, hl.pdl_launch_dependents)", (
+        ("    for tile_b, tile_h, tile_r, tv in hl.tile(",
+         "    hl.pdl_wait()  # VARIANT: PDL\n    hl.pdl_launch_dependents()\n"
+         "    for tile_b, tile_h, tile_r, tv in hl.tile("),
+    ), False),
+    "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
+        ("    for tile_b, tile_h, tile_r, tv in hl.tile(",
+         "    hl.pdl_wait()  # VARIANT: PDL\n    for tile_b, tile_h, tile_r, tv in hl.tile("),
+        ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
+         "            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n    hl.pdl_launch_dependents()\n"),
+    ), False),
 }
 
 
