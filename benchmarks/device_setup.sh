@@ -1,7 +1,16 @@
-# Source this on the device machine: installs the carried wheels (.devwheels/) into /tmp/site.
-# usage: source benchmarks/device_setup.sh
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devwheels/*.whl \
-  || { echo "wheel install failed"; return 1; }
+# Source this on the device machine; every run_device_*.sh starts with it. It makes $OUT (default
+# benchmarks/out), installs the carried wheels (.devwheels/) into /tmp/site, puts that folder and the
+# repo on PYTHONPATH, sets the NCCL switches the device tool asks for, and prints one line (torch,
+# triton, GPU). On failure it prints the install log and returns 1.
+#   usage: source benchmarks/device_setup.sh || exit 1
+OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -c "import torch, triton, helion; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+     .devwheels/*.whl > "$OUT/setup.log" 2>&1 \
+   && python3 -c "import torch, triton, helion; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name())" >> "$OUT/setup.log" 2>&1; then
+  tail -1 "$OUT/setup.log"; rm -f "$OUT/setup.log"
+else
+  echo "device_setup: wheel install or import failed"; cat "$OUT/setup.log"; return 1
+fi

@@ -5,10 +5,8 @@
 # env: AUTOTUNE_S (autotuner budget, default 200), SHAPES (tune_decode shape args), OVERRIDES=0 (skip the
 # override sweep), GPU_TESTS=1 (the GPU test matrix before the autotuner)
 set -u
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+source benchmarks/device_setup.sh || exit 1
 LOG="$OUT/autotune.log"
-source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"
 step() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 # load_eviction_policies index -> load: 1, 13 checkpoint chunks; 4, 14 ring deltas; 5, 6 ring gates/keys;
 # 7, 8, 9, 12, 15 q, k, a, b, v; 16-18 the flush replay's key, delta and gate rows (Helion's order of the

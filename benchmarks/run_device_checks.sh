@@ -5,10 +5,8 @@
 # env: BENCH_DECODE=0 / PLACEMENT=0 / LAUNCHER=0 skip those steps (to fit one call with a longer test run);
 # GPU_TEST_FILES replaces the test files
 set -u
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+source benchmarks/device_setup.sh || exit 1
 LOG="$OUT/checks.log"
-source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"
 step() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 step "gpu tests"
 timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu \

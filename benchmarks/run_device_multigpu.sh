@@ -5,10 +5,8 @@
 # and, with BENCH=1, bench_decode --quick.
 #   usage: GPU_TESTS=1 BENCH=1 bash benchmarks/run_device_multigpu.sh
 set -u
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+source benchmarks/device_setup.sh || exit 1
 LOG="$OUT/multigpu.log"
-source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"; rm -f "$OUT/setup.log"
 step() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 nvidia-smi topo -m 2>&1 | head -4 | tee -a "$LOG"
 step "two-GPU tests"

@@ -3,9 +3,8 @@
 # the device tool's KINDS.md): the details page, the warp-stall breakdown and the SASS hot spots.
 # usage: bash benchmarks/run_device_ncu.sh [name:profile_decode args ...]
 set -u
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
-source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"; uname -r
+source benchmarks/device_setup.sh || exit 1
+uname -r
 SECTIONS="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
  --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis --section SourceCounters"
 prof() {  # name, profile_decode args...
@@ -30,4 +29,3 @@ if [ $# -eq 0 ]; then
          "hv32_b512_fp32_c15:--hv 32 --batch 512 --state fp32 --cursor 15"
 fi
 for spec in "$@"; do prof "${spec%%:*}" ${spec#*:}; done
-rm -f "$OUT/setup.log"

@@ -4,9 +4,7 @@
 # graph-captured; with GPU_TESTS=1, then the op's GPU test matrix (tests/test_op_gpu.py) on the library kernel.
 #   usage: GPU_TESTS=1 bash benchmarks/run_device_variants.sh "--hv 32 --batch 512 --state fp32 --kernel p2=variant:prefetch2" ...
 set -u
-OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
-source benchmarks/device_setup.sh > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"; rm -f "$OUT/setup.log"
+source benchmarks/device_setup.sh || exit 1
 i=0
 for run in "$@"; do
   i=$((i + 1))

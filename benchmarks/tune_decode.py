@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--ring", type=int, default=16)
-    ap.add_argument("--cands", nargs="+", default=["128:16:4", "128:32:4", "64:32:4", "32:32:4"],
+    ap.add_argument("--cands", nargs="+", default=["128:16:1", "64:16:1", "32:16:1", "128:16:4"],
                     help="candidates VT:VC:WARPS[:MAXNREG[:PER_SM]] (value tile, value chunk, warps, register cap per "
                          "thread (0 = none), persistent grid with PER_SM programs per SM (0 = not persistent))")
     ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
