@@ -83,23 +83,25 @@ class PlanCache:
         ``scalar_positions`` their positions in the arguments. ``options`` are extra Triton compile
         options (``{"maxnreg": 64}``) that Helion's config cannot carry: the normal path passes them to
         Triton through Helion's launcher. ``make_args`` runs only on the normal path."""
-        options = {k: v for k, v in (options or {}).items() if v is not None}
+        options = {k: v for k, v in options.items() if v is not None} if options else {}
         direct = device.type == "cuda" and ENABLED
         if direct:
             addresses, meta = tensor_key(inputs)
             self._configs.setdefault(id(config), config)
-            full_key = (id(config), *key, tuple(sorted(options.items())), device.index, meta)
+            full_key = (id(config), *key, tuple(sorted(options.items())) if options else (), device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):
                 return
         args = make_args()
+        recording = direct and full_key not in self.plans
         with device_guard(device):
+            # Helion's generated host code for these arguments: needed to pass options, and to record
+            host = kernel.bind(args).compile_config(config) if options or recording else None
             if options:
-                kernel.bind(args).compile_config(config)(*args, _launcher=_with_options(options))
+                host(*args, _launcher=_with_options(options))
             else:
                 kernel(*args)
-            if direct and full_key not in self.plans:
-                self.record(full_key, kernel.bind(args).compile_config(config), args, arg_inputs, inputs,
-                            scalar_positions or {}, options)
+            if recording:
+                self.record(full_key, host, args, arg_inputs, inputs, scalar_positions or {}, options)
 
     def try_launch(self, key: tuple, addresses: Sequence[int], scalars: dict[str, object],
                    device: torch.device) -> bool:

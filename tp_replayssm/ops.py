@@ -148,7 +148,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
                             cursors_by_slot, tiny),
         inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny), KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
-        {"maxnreg": maxnreg})
+        None if maxnreg is None else {"maxnreg": maxnreg})
 
 
 def _lower_bound_arg(lower_bound: float | None) -> float:
