@@ -10,9 +10,12 @@ Method (see /work/.library/device/METHOD.md):
   several times (default 4x L2, at most ``--max-graph-steps`` steps per graph). Every step reads its
   own input set (``mixed_qkv``, ``a``, ``b``, ``out``) where memory allows.
 - Ours: ONE CUDA graph holds, for every slot set, one full cursor cycle: ``L`` consecutive steps with
-  ``write_pos = 0 .. L-1`` (the last one flushes), each followed by the cursor advance the pool does
-  (``c -> 0`` after a flush, else ``c + 1``; one tiny Triton kernel, ``--advance``). us/step = median
-  replay time / (n_sets * L). Also timed: the same graph with constant per-step ``write_pos`` tensors
+  cursors ``0 .. L-1`` (the last one flushes), each step what the pool runs (``--advance pool``, the
+  default since the eighth session): the op reading the pool's slot-indexed cursor table
+  (``ops.decode_with_cursor_table``), then the pool's cursor-advance kernel on that table
+  (``cursor_kernel.advance``: ``c -> 0`` after a flush, else ``c + 1``). Sessions 1-7 used a
+  row-indexed cursor and a small Triton advance kernel of this file (``--advance triton``). us/step =
+  median replay time / (n_sets * L). Also timed: the same graph with constant per-step ``write_pos`` tensors
   and no advance kernel (``op_us``: the op alone), and eager calls (no graph) over one cycle.
 - FLA: the same slot sets and inputs, one in-place packed step per (set, step), graph-captured.
   Gate (``A_log``, ``dt_bias``, ``lower_bound``), beta sigmoid and q/k l2norm run inside FLA's kernel
@@ -253,8 +256,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--ours", default=OURS_SPEC, help="module:function of our op (signature of SPEC section 1)")
     m.add_argument("--baseline", action="append", default=[], metavar="NAME=module:function",
                    help="extra replay op with the same signature (e.g. a port of SGLang's kernel), timed like ours")
-    m.add_argument("--advance", choices=["triton", "torch", "none"], default="triton",
-                   help="cursor advance after each step inside the graph (none: constant write_pos per step)")
+    m.add_argument("--advance", choices=["pool", "triton", "torch", "none"], default="pool",
+                   help="cursor advance after each step inside the graph. pool: ours reads the pool's slot-indexed "
+                        "cursor table (ops.decode_with_cursor_table) and advances it with the pool's kernel "
+                        "(cursor_kernel.advance), as ReplaySSMStatePool.decode/advance do (other ops: triton); "
+                        "triton: a row-indexed cursor and a small Triton kernel (sessions 1-7); "
+                        "none: constant write_pos per step")
     m.add_argument("--phase", choices=["sync", "stagger"], default="sync",
                    help="sync: all rows at the same cursor (the issue's cycle); stagger: row b starts at b %% L")
     m.add_argument("--no-l2norm", action="store_true", help="use_qk_l2norm_in_kernel=False (default True)")
@@ -482,6 +489,10 @@ class Buffers:
         self.base = base
         self.cursors = [base.clone() for _ in range(self.n_sets)]  # row-indexed cursor per slot set
         self.wp_const = [((base + t) % L).to(torch.int32).contiguous() for t in range(L)]
+        # the pool's cursor table [S + 1] (entry S: padding rows' scratch), for --advance pool
+        self.cursor_table = torch.zeros(S + 1, device=device, dtype=torch.int32)
+        for slots in self.slots:
+            self.cursor_table[slots.long()] = base
 
         self.mixed, self.a, self.b, self.out = [], [], [], []
         self.q4, self.k4, self.v4, self.out_fla = [], [], [], []
@@ -519,14 +530,30 @@ StepList = list[tuple[Callable[[], None], Callable[[], None] | None]]
 
 
 def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
-                 advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None) -> StepList:
+                 advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None,
+                 pool: bool = False) -> StepList:
     """One full cursor cycle per slot set. With ``advance`` the cursors advance in place after every
-    step; without it each step reads a constant ``write_pos`` tensor holding the same phase."""
+    step; without it each step reads a constant ``write_pos`` tensor holding the same phase. With
+    ``pool`` (``op`` is ours) the step is the pool's: :func:`tp_replayssm.ops.decode_with_cursor_table`
+    on ``buf.cursor_table``, then :func:`tp_replayssm.cursor_kernel.advance` of that table."""
     steps: StepList = []
+    if pool:
+        from tp_replayssm import cursor_kernel, ops
     for si in (range(buf.n_sets) if sets is None else sets):
         for t in range(shape.L):
             j = buf.input_index(si, t)
             wp = buf.cursors[si] if advance is not None else buf.wp_const[t]
+            if pool and advance is not None:
+                def step(j=j, si=si) -> None:
+                    ops.decode_with_cursor_table(
+                        buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
+                        buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, use_qk_l2norm_in_kernel=l2norm,
+                        lower_bound=shape.lb)
+
+                def adv(si=si) -> None:
+                    cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)
+                steps.append((step, adv))
+                continue
 
             def step(j=j, si=si, wp=wp) -> None:
                 op(buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
@@ -720,7 +747,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
         buf = Buffers(shape, args, dev, ctx["l2_bytes"], need_fla=fla is not None)
         rec.update(n_sets=buf.n_sets, S=buf.S, graph_steps=buf.n_steps, n_inputs=buf.n_in,
                    footprint_mb=buf.footprint / 2**20)
-        advance = make_advance(args.advance, shape.L)
+        advance = make_advance("triton" if args.advance == "pool" else args.advance, shape.L)
         replay_impls = [("ours", ours)] + [(name, fn) for name, fn in ctx["baselines"]]
         ours_graph = None
         for name, fn in replay_impls:
@@ -734,7 +761,8 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                     worst = max(chk["err_out"], chk["err_state"], chk["err_ring"])
                     ok = worst <= args.tol and chk["pad_ok"] and chk["untouched_ok"]
                     rec[f"{name}_check"] = "ok" if ok else "WRONG"
-                gr = GraphRun(run_steps(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance)),
+                pool = args.advance == "pool" and name == "ours" and args.ours == OURS_SPEC
+                gr = GraphRun(run_steps(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance, pool=pool)),
                               buf.n_steps)
                 graphs.append(gr)
                 t = gr.measure(*rep)
@@ -749,8 +777,8 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                 else:
                     rec[f"{name}_op_us"] = t["us"]
                 if not args.no_eager:
-                    e = time_eager(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance, sets=[0]),
-                                   args.rep_ms)
+                    e = time_eager(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance, sets=[0],
+                                                pool=pool), args.rep_ms)
                     rec[f"{name}_eager_us"] = e["us"]
                     rec[f"{name}_host_us"] = e["host_us"]
                 rec[f"{name}_gbps"] = rb / (rec[f"{name}_us"] * 1e-6) / 1e9
@@ -884,7 +912,10 @@ def gather_meta(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]
         "triton": ver("triton"), "helion": ver("helion"), "fla_core": ver("fla-core") or ver("fla_core"),
         "args": {k: v for k, v in vars(args).items()},
         "fla_note": FLA_NOTE,
-        "advance_note": {"triton": "one Triton kernel per step (c -> 0 if c >= L-1 else c+1), in the graph",
+        "advance_note": {"pool": "ours: ops.decode_with_cursor_table on the pool's slot-indexed cursor table, then "
+                                 "the pool's cursor-advance kernel (tp_replayssm.cursor_kernel.advance), in the graph; "
+                                 "other replay ops: the triton advance",
+                         "triton": "one Triton kernel per step (c -> 0 if c >= L-1 else c+1), in the graph",
                          "torch": "add_ + remainder_ per step, in the graph",
                          "none": "no advance; constant write_pos tensors per step"}[args.advance],
     }

@@ -195,3 +195,34 @@ def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
     monkeypatch.setattr(bd.torch.cuda, "is_available", lambda: False)
     assert bd.main(["--quick"]) == 2
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_pool_steps_match_the_row_cursor_steps():
+    """``--advance pool`` (the default): ours reads the pool's cursor table and the pool's advance kernel
+    moves it; over two full cycles of two slot sets (interpreter, tiny shape) every output, checkpoint
+    and ring entry equals the row-cursor path's, and the table is back at its start after each cycle."""
+    import copy
+
+    import torch
+
+    bd = _bench_decode()
+    from tp_replayssm import ops
+
+    args = bd.parse_args(["--footprint-mb", "0.02"])
+    shape = bd.Shape(H=2, HV=2, B=3, L=4, state="fp32", lb=None, K=16, V=16)
+    buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
+    assert buf.n_sets >= 2
+    row = copy.deepcopy(buf)
+    start = buf.cursor_table.clone()
+    advance = bd.make_advance("torch", shape.L)
+    pool_steps = bd.replay_steps(ops.replayssm_decode, buf, shape, l2norm=True, advance=advance, pool=True)
+    row_steps = bd.replay_steps(ops.replayssm_decode, row, shape, l2norm=True, advance=advance)
+    assert len(pool_steps) == len(row_steps) == buf.n_sets * shape.L
+    for _ in range(2):
+        for (step, adv), (rstep, radv) in zip(pool_steps, row_steps):
+            step(), adv(), rstep(), radv()
+        assert torch.equal(buf.cursor_table, start)
+    for name in ("state", "d", "k", "g"):
+        assert torch.equal(getattr(buf, name), getattr(row, name)), name
+    for out, rout in zip(buf.out, row.out):
+        assert torch.equal(out, rout)

@@ -166,6 +166,13 @@ def test_launch_takes_the_normal_path_once_then_the_plan(monkeypatch: pytest.Mon
     cpu_kern = _FakeHelionKernel(jit)
     cache.launch(cpu_kern, cpu_kern.config, lambda: args, inputs, torch.device("cpu"), (), (0, 1, None, None))
     assert cpu_kern.normal_calls == 1 and len(cache.plans) == 2  # off CUDA: never a plan
+    # another kernel pinned to the same config (a candidate swapped in by benchmarks/tune_decode.py
+    # --kernel) is part of the key: it launches itself and records its own plan, never the first one's
+    other = _FakeHelionKernel(jit)
+    other.config = kern.config
+    cache.launch(other, kern.config, lambda: args2, inputs2, cuda, ("extra",), (0, 1, None, None),
+                 {"scale": 0.25}, {2: "scale"})
+    assert other.normal_calls == 1 and cache.hits == 1 and len(cache.plans) == 3
 
 
 def test_compile_options_reach_triton_on_both_paths(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,13 @@
-"""Make the Triton interpreter (``TRITON_INTERPRET=1``) run the kernel's libdevice calls.
+"""Make the Triton interpreter (``TRITON_INTERPRET=1``) run the kernel's libdevice calls and bf16 dots.
 
 Helion lowers ``torch.exp`` and friends through inductor to ``libdevice.*``. On a GPU those resolve
 to CUDA's libdevice at compile time; the interpreter (triton 3.9) has no implementation and the
 stubs return ``None``. When the interpreter is on, this rebinds the few libdevice functions the
-kernel uses to the interpreter's own ``tl.math`` builtins (numpy underneath). GPU runs are untouched.
+kernel uses to the interpreter's own ``tl.math`` builtins (numpy underneath).
+
+The interpreter also stores bf16 tensors as their raw ``uint16`` bits and its ``tl.dot`` multiplies
+those bits as integers (it converts only fp8 operands); the shim widens bf16 operands to fp32 first
+(exact), which is what the GPU's bf16 MMA with fp32 accumulation computes. GPU runs are untouched.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def install_libdevice_shim() -> None:
     import numpy as np
     import triton.language as tl
     import triton.language.extra.libdevice as libdevice
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import TensorHandle
 
     def unary(np_fn):  # noqa: ANN001, ANN202 - wraps a numpy ufunc as an interpreter builtin
@@ -41,4 +46,17 @@ def install_libdevice_shim() -> None:
     }
     for name, np_fn in replacements.items():
         setattr(libdevice, name, unary(np_fn))
+
+    builder_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202
+        def widened(x):  # noqa: ANN001, ANN202 - bf16 bits -> fp32 values (exact)
+            if x.dtype.scalar != tl.bfloat16:
+                return x
+            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return TensorHandle(data, tl.float32)
+
+        return builder_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
     _applied = True

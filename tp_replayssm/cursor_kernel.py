@@ -13,7 +13,8 @@ Helion kernel with ONE program (one CTA) covering all ``B`` rows, in three phase
 3. CTA barrier, then store ``0`` at ``idx`` for the flushed rows: a slot listed twice ends at 0 if any
    of its rows flushed, else ``c+1`` (the ``scatter_reduce(amin)`` of the torch path).
 
-The barriers are ``tl.debug_barrier()`` (``bar.sync``: it orders the CTA's global loads/stores), put
+On sm_90+ it is launched with programmatic dependent launch and waits at entry, like the decode
+kernel (:mod:`tp_replayssm.kernel`). The barriers are ``tl.debug_barrier()`` (``bar.sync``: it orders the CTA's global loads/stores), put
 in through ``hl.inline_triton``. That is why the grid must be a single program: rows in different
 CTAs could not be ordered. One CTA holds at most :data:`MAX_ROWS` rows (16 per thread at 32 warps);
 larger batches, and pools off CUDA, use the torch ops (:func:`advance_torch`). Each block size / warp
@@ -51,6 +52,8 @@ def cursor_advance_kernel(
     """Advance ``cursors`` in place for the rows ``slots`` (module docstring); one program."""
     B = slots.size(0)
     scratch = cursors.size(0) - 1
+    hl.pdl_wait()  # sm_90+: launched with PDL; nothing is read before the previous kernel has finished
+    hl.pdl_launch_dependents()
     for tile_b in hl.tile(B):
         slot = slots[tile_b]
         idx = torch.where(slot >= 0, slot, scratch)

@@ -69,7 +69,9 @@ class PlanCache:
         self.name = name
         self.plans: dict[tuple, LaunchPlan | None] = {}
         self.hits = 0  # direct launches so far (tests read it)
-        self._configs: dict[int, Any] = {}  # configs named (by id) in keys: an id is never reused
+        # configs and kernels named (by id) in keys, kept alive so that an id is never reused
+        self._configs: dict[int, Any] = {}
+        self._kernels: dict[int, Any] = {}
 
     def launch(self, kernel: Any, config: Any, make_args: Callable[[], Sequence[object]],
                inputs: Sequence[torch.Tensor], device: torch.device, key: tuple,
@@ -77,7 +79,7 @@ class PlanCache:
                scalar_positions: dict[int, str] | None = None, options: dict[str, object] | None = None) -> None:
         """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views
         of ``inputs`` (``arg_inputs``, as in :meth:`record`). On CUDA: directly when this call's key has a
-        plan, else the normal way (under a device guard), recording a plan. The key is ``config``, ``key``
+        plan, else the normal way (under a device guard), recording a plan. The key is ``kernel``, ``config``, ``key``
         (everything else the launch depends on besides the inputs' metadata), ``options``, the device and
         :func:`tensor_key` of ``inputs``; ``scalars`` are the values of the runtime scalars by name,
         ``scalar_positions`` their positions in the arguments. ``options`` are extra Triton compile
@@ -88,7 +90,8 @@ class PlanCache:
         if direct:
             addresses, meta = tensor_key(inputs)
             self._configs.setdefault(id(config), config)
-            full_key = (id(config), *key, tuple(sorted(options.items())) if options else (), device.index, meta)
+            self._kernels.setdefault(id(kernel), kernel)
+            full_key = (id(kernel), id(config), *key, tuple(sorted(options.items())) if options else (), device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):
                 return
         args = make_args()

@@ -19,7 +19,14 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
 3. appends ``g`` (and ``k``, once per q/k head) at ring position ``c`` on non-flush rows.
 
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
-launch, no second read of the checkpoint, no scratch buffer. (Earlier versions used a separate flush
+launch, no second read of the checkpoint, no scratch buffer.
+
+Launch overlap. On sm_90+ the kernel is launched with programmatic dependent launch (PDL): each program
+first waits (``griddepcontrol.wait``) until the previous kernel in the stream has completed and its
+memory is visible, then lets the next PDL-launched kernel start launching. Nothing is read before the
+wait, so the stream order holds for every input; what overlaps is the launch latency of consecutive
+decode / cursor-advance kernels, worth 0.4-0.9 us per step at B <= 8 in CUDA graphs on the H200
+(benchmarks/RESULTS.md, eighth session). (Earlier versions used a separate flush
 kernel and tensor-core products for the replay; their register cost made them slower:
 benchmarks/RESULTS.md.)
 
@@ -110,6 +117,11 @@ def replayssm_decode_kernel(
     HV = hl.specialize(v3.size(1))
     V = hl.specialize(v3.size(2))
     group = HV // H
+    # Programmatic dependent launch (sm_90+; nothing elsewhere): wait at entry until the previous kernel
+    # in the stream has finished and its writes are visible, then let the next PDL kernel launch, so
+    # launches overlap the previous kernel's tail (see the module docstring)
+    hl.pdl_wait()
+    hl.pdl_launch_dependents()
     for tile_b, tile_h, tile_r, tv in hl.tile([B, H, group, V], block_size=[1, 1, 1, None]):
         row = tile_b.begin
         h = tile_h.begin

@@ -108,17 +108,49 @@ VARIANTS: dict[str, Variant] = {
         ("                    hl.store(state_rows, [st_base + rows * st_v, slice(None)], S_new.to(state_rows.dtype),",
          "                    hl.store(state_rows, [st_base + rows * st_v, kk], S_new.to(state_rows.dtype),"),
     ), False),
-    "pdl": Variant("programmatic dependent launch: wait for the previous kernel, then let the next one launch, "
-                   "both at entry (hl.pdl_wait, hl.pdl_launch_dependents)", (
-        ("    for tile_b, tile_h, tile_r, tv in hl.tile(",
-         "    hl.pdl_wait()  # VARIANT: PDL\n    hl.pdl_launch_dependents()\n"
-         "    for tile_b, tile_h, tile_r, tv in hl.tile("),
+    "no_pdl": Variant("no programmatic dependent launch (the kernel of the seventh session): plain stream order", (
+        ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    # VARIANT: no PDL\n"),
     ), False),
     "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
-        ("    for tile_b, tile_h, tile_r, tv in hl.tile(",
-         "    hl.pdl_wait()  # VARIANT: PDL\n    for tile_b, tile_h, tile_r, tv in hl.tile("),
+        ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    hl.pdl_wait()  # VARIANT: trigger at exit\n"),
         ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
          "            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n    hl.pdl_launch_dependents()\n"),
+    ), False),
+    "dot_chunk": Variant("the chunk's products S0@[ak, aq] and D^T@[wk, wq] on tensor cores (bf16 MMA, fp32 "
+                         "accumulation): the vectors as hi + lo bf16 columns, an fp32 checkpoint as hi + lo bf16 "
+                         "rows (~2^-16 relative)", (
+        ("            kq = torch.sum(k * q, dim=0)\n",
+         "            kq = torch.sum(k * q, dim=0)\n"
+         "            n = hl.arange(16)  # VARIANT: dot_chunk; columns ak_hi, ak_lo, aq_hi, aq_lo, then zeros\n"
+         "            a_sel = torch.where(n[None, :] < 2, ak[:, None], aq[:, None])\n"
+         "            a_hi = a_sel.to(torch.bfloat16)\n"
+         "            a_lo = (a_sel - a_hi.to(torch.float32)).to(torch.bfloat16)\n"
+         "            a_mat = torch.where(n[None, :] < 4, torch.where((n[None, :] % 2) == 0, a_hi, a_lo), 0.0)"
+         ".to(torch.bfloat16)\n"
+         "            w_sel = torch.where(n[None, :] < 2, wk[:, None], wq[:, None])  # [Lb, 16]\n"
+         "            w_hi = w_sel.to(torch.bfloat16)\n"
+         "            w_lo = (w_sel - w_hi.to(torch.float32)).to(torch.bfloat16)\n"
+         "            w_mat = torch.where(n[None, :] < 4, torch.where((n[None, :] % 2) == 0, w_hi, w_lo), 0.0)"
+         ".to(torch.bfloat16)\n"
+         "            ck = n < 2\n"
+         "            cq = (n >= 2) & (n < 4)\n"),
+        ("                S0 = S_next.to(torch.float32)  # [Vc, K]\n"
+         "                d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]\n",
+         "                S_cur = S_next\n"
+         "                S0 = S_next.to(torch.float32)  # [Vc, K]\n"
+         "                d_cur = torch.where(valid[:, None], d_next, 0.0)  # [Lb, Vc]\n"),
+        ("                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)\n"
+         "                spq = torch.sum(S0 * aq[None, :], dim=1) + torch.sum(d_ring * wq[:, None], dim=0)\n",
+         "                if state_rows.dtype == torch.bfloat16:\n"
+         "                    acc = hl.dot(S_cur, a_mat, out_dtype=torch.float32)  # [Vc, 16]\n"
+         "                else:  # fp32 checkpoint as hi + lo bf16\n"
+         "                    S_hi = S_cur.to(torch.bfloat16)\n"
+         "                    S_lo = (S_cur - S_hi.to(torch.float32)).to(torch.bfloat16)\n"
+         "                    acc = hl.dot(S_hi, a_mat, out_dtype=torch.float32)\n"
+         "                    acc = hl.dot(S_lo, a_mat, acc=acc)\n"
+         "                acc = hl.dot(d_cur.permute(1, 0), w_mat, acc=acc)\n"
+         "                spk = torch.sum(torch.where(ck[None, :], acc, 0.0), dim=1)\n"
+         "                spq = torch.sum(torch.where(cq[None, :], acc, 0.0), dim=1)\n"),
     ), False),
 }
 
