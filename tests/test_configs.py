@@ -73,3 +73,38 @@ def test_configs_with_nested_lists_compile_to_the_same_config() -> None:
     kern = kernel.decode_kernel_for(config)
     assert kern.configs[0].config == config.config
     assert kernel.decode_kernel_for(config) is kern
+
+
+def _device_code(kern, args: tuple, config: helion.Config) -> str:  # noqa: ANN001 - a Helion kernel
+    return kern.bind(args).to_triton_code(config)
+
+
+@pytest.mark.parametrize("capability", [(9, 0), None], ids=["sm90", "no-gpu"])
+def test_pdl_waits_before_any_load(capability: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch (decode and cursor-advance kernels): for an sm_90 target the kernel is
+    launched with ``launch_pdl`` and its first statement waits for the previous kernel (``gdc_wait``)
+    before any load, then lets the next one launch; without a capability (CPU, interpreter) neither is
+    emitted. A load ahead of the wait could read what the previous kernel has not written yet."""
+    import helion._compiler.compile_environment as compile_environment
+
+    from tp_replayssm import cursor_kernel
+
+    monkeypatch.setattr(compile_environment, "target_device_capability", lambda device=None: capability)
+    decode_config = configs.launch_config(32, 4, 0)
+    decode = helion.kernel(kernel.replayssm_decode_kernel, config=decode_config, **kernel._SETTINGS)
+    cached = cursor_kernel.advance_kernel_for(32, 4)  # a fresh kernel object: bound code is cached per object
+    advance = helion.kernel(cursor_kernel.cursor_advance_kernel, config=cached.configs[0], **cursor_kernel._SETTINGS)
+    cursors, slots = torch.zeros(9, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    codes = [_device_code(decode, example_kernel_args(value_chunk=16), decode_config),
+             _device_code(advance, (cursors, slots, torch.zeros(4, dtype=torch.int32), 4), advance.configs[0])]
+    for code in codes:
+        lines = code.splitlines()
+        wait = [i for i, line in enumerate(lines) if "gdc_wait()" in line]
+        trigger = [i for i, line in enumerate(lines) if "gdc_launch_dependents()" in line]
+        loads = [i for i, line in enumerate(lines) if "tl.load(" in line]
+        assert loads
+        if capability is None:
+            assert not wait and not trigger and "launch_pdl" not in code
+        else:
+            assert len(wait) == 1 and len(trigger) == 1 and wait[0] < trigger[0] < loads[0]
+            assert "launch_pdl=True" in code
