@@ -79,19 +79,22 @@ class PlanCache:
                scalar_positions: dict[int, str] | None = None, options: dict[str, object] | None = None) -> None:
         """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views
         of ``inputs`` (``arg_inputs``, as in :meth:`record`). On CUDA: directly when this call's key has a
-        plan, else the normal way (under a device guard), recording a plan. The key is ``kernel``, ``config``, ``key``
-        (everything else the launch depends on besides the inputs' metadata), ``options``, the device and
-        :func:`tensor_key` of ``inputs``; ``scalars`` are the values of the runtime scalars by name,
-        ``scalar_positions`` their positions in the arguments. ``options`` are extra Triton compile
-        options (``{"maxnreg": 64}``) that Helion's config cannot carry: the normal path passes them to
-        Triton through Helion's launcher. ``make_args`` runs only on the normal path."""
+        plan, else the normal way (under a device guard), recording a plan. The key is ``kernel``,
+        ``config``, ``key`` (everything else the launch depends on besides the inputs' metadata),
+        ``options``, the device and :func:`tensor_key` of ``inputs`` (the kernel too: a candidate kernel
+        swapped in behind the same config must not replay the library kernel's plan); ``scalars`` are
+        the values of the runtime scalars by name, ``scalar_positions`` their positions in the
+        arguments. ``options`` are extra Triton compile options (``{"maxnreg": 64}``) that Helion's config
+        cannot carry: the normal path passes them to Triton through Helion's launcher. ``make_args`` runs
+        only on the normal path."""
         options = {k: v for k, v in options.items() if v is not None} if options else {}
         direct = device.type == "cuda" and ENABLED
         if direct:
             addresses, meta = tensor_key(inputs)
             self._configs.setdefault(id(config), config)
             self._kernels.setdefault(id(kernel), kernel)
-            full_key = (id(kernel), id(config), *key, tuple(sorted(options.items())) if options else (), device.index, meta)
+            opts = tuple(sorted(options.items())) if options else ()
+            full_key = (id(kernel), id(config), *key, opts, device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):
                 return
         args = make_args()
