@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -58,6 +59,17 @@ def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_se
     slot_sets = [torch.arange(i * B, (i + 1) * B, dtype=torch.int32, device=dev) for i in range(n_sets)]
     cursors = [torch.full((B,), c, dtype=torch.int32, device=dev) for c in range(L)]
     return dict(st=st, d=d, kc=kc, g=g, p=p, inputs=inputs, out=out, slot_sets=slot_sets, cursors=cursors)
+
+
+def slot_sets(B: int, HV: int, L: int, state_dtype: torch.dtype, footprint_mib: float, K: int = 128,
+              V: int = 128, max_sets: int = 256) -> int:
+    """How many disjoint slot sets one timing cycles through: enough that the checkpoints and rings they
+    hold exceed ``footprint_mib`` (at most ``max_sets``); ``footprint_mib`` 0 gives the old rule (at most
+    16 sets of at most 512 MiB of checkpoints in all, which left B <= 8 resident in the L2)."""
+    if footprint_mib <= 0:
+        return max(1, min(16, (512 * 1024**2) // (B * HV * K * V * state_dtype.itemsize)))
+    per_set = B * HV * (V * K * state_dtype.itemsize + L * V * 2 + L * K * 2 + L * K * 4)
+    return max(1, min(max_sets, math.ceil(footprint_mib * 1024**2 / per_set)))
 
 
 def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
@@ -180,6 +192,10 @@ def main() -> None:
                     help="also time this candidate kernel file or variant:NAME (repeatable); the library "
                          "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    ap.add_argument("--footprint-mib", type=float, default=240.0,
+                    help="cycle through enough disjoint slot sets to touch this much cache memory (checkpoints and "
+                         "rings; default 4x the H200's 60 MiB L2, so small batches stream from DRAM as in an engine "
+                         "with many layers; 0 = the sessions 1-7 rule: at most 16 sets, L2-resident below B = 8)")
     ap.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
                     help="also time the library's pinned choice for the shape with these Helion config keys "
                          "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it; "
@@ -201,8 +217,7 @@ def main() -> None:
             print(f"HV={HV} B={B} {sname}: skipped (--budget-s)", flush=True)
             continue
         sdt = torch.float32 if sname == "fp32" else torch.bfloat16
-        per_set = B * HV * 128 * 128 * sdt.itemsize
-        n_sets = max(1, min(16, (512 * 1024**2) // per_set))
+        n_sets = slot_sets(B, HV, args.ring, sdt, args.footprint_mib)
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
             configs.LaunchChoice(configs.launch_config(c[0], c[2], rs, (c + (0, 0))[4] or None), c[1],

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -85,6 +86,24 @@ def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -
     finally:
         tune_decode.use_kernel(None)
     assert kernel.replayssm_decode_kernel is original
+
+
+def test_tune_decode_cycles_past_the_l2_by_default() -> None:
+    """Small batches must stream from DRAM as in an engine with many layers: the default footprint is
+    4x the H200's 60 MiB L2 (at most 256 sets); footprint 0 is the old rule (at most 16 sets)."""
+    import tune_decode
+
+    def footprint_mib(B: int, HV: int, sets: int, state: torch.dtype) -> float:
+        return sets * B * HV * (128 * 128 * state.itemsize + 16 * 128 * 8) / 2**20
+
+    for B, HV in [(1, 8), (8, 8), (8, 32), (128, 32)]:
+        for state in (torch.float32, torch.bfloat16):
+            sets = tune_decode.slot_sets(B, HV, 16, state, 240.0)
+            assert 1 <= sets <= 256
+            assert footprint_mib(B, HV, sets, state) >= 240.0 or sets == 256
+    assert tune_decode.slot_sets(1, 8, 16, torch.float32, 240.0) == 256  # 0.6 MiB a set
+    assert tune_decode.slot_sets(512, 32, 16, torch.float32, 240.0) == 1
+    assert tune_decode.slot_sets(1, 8, 16, torch.float32, 0) == 16  # the old rule: 8 MiB, L2-resident
 
 
 from experiments import variants  # noqa: E402
