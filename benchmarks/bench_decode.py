@@ -542,7 +542,6 @@ def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: 
     for si in (range(buf.n_sets) if sets is None else sets):
         for t in range(shape.L):
             j = buf.input_index(si, t)
-            wp = buf.cursors[si] if advance is not None else buf.wp_const[t]
             if pool and advance is not None:
                 def step(j=j, si=si) -> None:
                     ops.decode_with_cursor_table(
@@ -554,6 +553,8 @@ def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: 
                     cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)
                 steps.append((step, adv))
                 continue
+
+            wp = buf.cursors[si] if advance is not None else buf.wp_const[t]
 
             def step(j=j, si=si, wp=wp) -> None:
                 op(buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,

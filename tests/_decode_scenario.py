@@ -39,6 +39,15 @@ class Scenario:
     device: str = "cpu"
 
 
+def kimi_scenario(H: int, HV: int, B: int, state_dtype: torch.dtype, device: str = "cuda") -> Scenario:
+    """The GPU scenario at a Kimi-Linear shape (tests/test_op_gpu.py; benchmarks/experiments/
+    check_candidate.py runs the same one on a candidate kernel): K = V = 128, L = 16, a full cycle plus
+    one step, a padding row from B = 2 up, lower_bound -5 at B = 8, 5% forced flushes."""
+    return Scenario(B=B, H=H, HV=HV, K=128, V=128, L=16, S=B + 3, pad_rows=1 if B > 1 else 0, steps=17,
+                    state_dtype=state_dtype, lower_bound=-5.0 if B == 8 else None, flush_prob=0.05,
+                    seed=B * 1000 + HV, device=device)
+
+
 @dataclasses.dataclass
 class Worst:
     out_vs_reference: float = 0.0

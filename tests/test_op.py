@@ -280,3 +280,29 @@ def test_cache_row_views_are_cached_per_tensor_and_dropped_with_it() -> None:
     view = ops._rows_view(t)
     t.set_(torch.zeros(S, HV, L, V).untyped_storage(), 0, t.shape, t.stride())  # new data pointer: rebuilt
     assert ops._rows_view(t)[0].data_ptr() == t.data_ptr() != view[0].data_ptr()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shim patches the Triton interpreter (CPU runs)")
+def test_interpreter_shim_multiplies_bf16_dot_operands_as_values() -> None:
+    """Triton 3.9's interpreter stores bf16 as raw uint16 bits and its ``tl.dot`` multiplied those bits as
+    integers; after ``install_libdevice_shim`` a bf16 dot with fp32 accumulation equals the exact product
+    of the bf16 values (what kernel variants with tensor-core products compute on the GPU)."""
+    import triton
+    import triton.language as tl
+
+    from tp_replayssm._interpreter import install_libdevice_shim
+
+    install_libdevice_shim()
+
+    @triton.jit
+    def dot16(a_ptr, b_ptr, c_ptr):
+        i = tl.arange(0, 16)
+        a = tl.load(a_ptr + i[:, None] * 16 + i[None, :])
+        b = tl.load(b_ptr + i[:, None] * 16 + i[None, :])
+        tl.store(c_ptr + i[:, None] * 16 + i[None, :], tl.dot(a, b, out_dtype=tl.float32))
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(16, 16, generator=gen).bfloat16() for _ in range(2))
+    c = torch.full((16, 16), float("nan"))
+    dot16[(1,)](a, b, c)
+    torch.testing.assert_close(c, a.double().matmul(b.double()).float(), rtol=1e-6, atol=1e-5)

@@ -16,7 +16,7 @@ import torch
 
 from tp_replayssm import direct_launch, ops, reference
 from tp_replayssm.testing import random_decode_inputs, random_head_params, rel_err
-from _decode_scenario import OUT_TOL, Scenario, run_scenario
+from _decode_scenario import OUT_TOL, Scenario, kimi_scenario, run_scenario
 
 pytestmark = pytest.mark.gpu
 
@@ -37,9 +37,7 @@ def _write_results():  # noqa: ANN202
 @pytest.mark.parametrize("B", BATCHES)
 @pytest.mark.parametrize("H,HV", SHAPES, ids=[f"H{h}-HV{hv}" for h, hv in SHAPES])
 def test_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
-    sc = Scenario(B=B, H=H, HV=HV, K=128, V=128, L=16, S=B + 3, pad_rows=1 if B > 1 else 0, steps=17,
-                  state_dtype=state_dtype, lower_bound=-5.0 if B == 8 else None, flush_prob=0.05,
-                  seed=B * 1000 + HV, device="cuda")
+    sc = kimi_scenario(H, HV, B, state_dtype)
     hits = ops.DIRECT_PLANS.hits
     worst = run_scenario(sc, ops.replayssm_decode)
     # every step after the first (same metadata, fresh tensors) launched the compiled kernel directly

@@ -69,9 +69,8 @@ class PlanCache:
         self.name = name
         self.plans: dict[tuple, LaunchPlan | None] = {}
         self.hits = 0  # direct launches so far (tests read it)
-        # configs and kernels named (by id) in keys, kept alive so that an id is never reused
-        self._configs: dict[int, Any] = {}
-        self._kernels: dict[int, Any] = {}
+        # the kernels and configs named (by id) in keys, kept alive so that an id is never reused
+        self._named: dict[int, Any] = {}
 
     def launch(self, kernel: Any, config: Any, make_args: Callable[[], Sequence[object]],
                inputs: Sequence[torch.Tensor], device: torch.device, key: tuple,
@@ -91,8 +90,8 @@ class PlanCache:
         direct = device.type == "cuda" and ENABLED
         if direct:
             addresses, meta = tensor_key(inputs)
-            self._configs.setdefault(id(config), config)
-            self._kernels.setdefault(id(kernel), kernel)
+            self._named.setdefault(id(kernel), kernel)
+            self._named.setdefault(id(config), config)
             opts = tuple(sorted(options.items())) if options else ()
             full_key = (id(kernel), id(config), *key, opts, device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):

@@ -1,9 +1,9 @@
 """Correctness of candidate decode kernels on the GPU before they are timed or adopted.
 
-Runs the scenario of ``tests/test_op_gpu.py`` (a full ring cycle plus one step, forced flushes,
-NaN-poisoned outputs and unread ring entries, sentinel-filled unused slots) with each candidate
-swapped into the op, and prints the worst errors against the reference and the float64 plain
-recurrence with a PASS / FAIL verdict from the tests' tolerances.
+Runs the scenario of ``tests/test_op_gpu.py`` (``_decode_scenario.kimi_scenario``: a full ring cycle
+plus one step, forced flushes, NaN-poisoned outputs and unread ring entries, sentinel-filled unused
+slots) with each candidate swapped into the op, and prints the worst errors against the reference and
+the float64 plain recurrence with a PASS / FAIL verdict from the tests' tolerances.
 
     python benchmarks/experiments/check_candidate.py --kernel dot=variant:NAME --hv 32 8 --batch 8 64 256
 """
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
     args = ap.parse_args()
-    from _decode_scenario import OUT_TOL, Scenario, run_scenario
+    from _decode_scenario import OUT_TOL, kimi_scenario, run_scenario
     from experiments.variants import load_kernel
     from tune_decode import use_kernel
 
@@ -40,8 +40,7 @@ def main() -> None:
         use_kernel(load_kernel(path))
         for HV, B, sname in itertools.product(args.hv, args.batch, args.state):
             sdt = torch.float32 if sname == "fp32" else torch.bfloat16
-            sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, pad_rows=1, steps=17, state_dtype=sdt,
-                          lower_bound=-5.0 if B == 8 else None, flush_prob=0.05, seed=B * 1000 + HV, device="cuda")
+            sc = kimi_scenario(HV, HV, B, sdt)
             try:
                 w = run_scenario(sc, ops.replayssm_decode)
                 ok = w.out_vs_reference <= OUT_TOL[sc.act_dtype] and max(w.out_vs_plain64, w.state_vs_plain64) <= 3e-2
