@@ -72,22 +72,34 @@ def slot_sets(B: int, HV: int, L: int, state_dtype: torch.dtype, footprint_mib: 
     return max(1, min(max_sets, math.ceil(footprint_mib * 1024**2 / per_set)))
 
 
+def graph_groups(n_sets: int, L: int, min_launches: int = 256) -> list[range]:
+    """Slot-set indices per CUDA graph: consecutive sets, enough for ``min_launches`` op launches per
+    graph. One graph per set (16 launches) added a gap between graph replays to every step: at B = 1
+    on the H200, 6.2 us/step instead of 3.9 with 16 sets per graph (the first timing of a process
+    escaped it, 4.4; benchmarks/RESULTS.md, ninth session)."""
+    per = max(1, math.ceil(min_launches / L))
+    return [range(i, min(i + per, n_sets)) for i in range(0, n_sets, per)]
+
+
 def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
-    """us per step, averaged over full cycles (every phase incl. the flush)."""
-    graphs = []
+    """us per step, averaged over full cycles (every phase incl. the flush), graphs of whole cycles of
+    several slot sets (:func:`graph_groups`)."""
+    sets = prob["slot_sets"]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for slots in prob["slot_sets"]:  # warm-up/compile outside capture
+        for slots in sets:  # warm-up/compile outside capture
             for c in range(L):
                 launch(prob, slots, c)
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    for slots in prob["slot_sets"]:
+    graphs = []
+    for group in graph_groups(len(sets), L):
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr):
-            for c in range(L):
-                launch(prob, slots, c)
+            for i in group:
+                for c in range(L):
+                    launch(prob, sets[i], c)
         graphs.append(gr)
     for gr in graphs:
         gr.replay()
@@ -100,7 +112,7 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
             gr.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / (len(graphs) * L))
+        times.append(s.elapsed_time(e) * 1e3 / (len(sets) * L))
     return statistics.median(times)
 
 
@@ -160,8 +172,8 @@ def register_report() -> None:
 
 
 def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict):  # -> configs.LaunchChoice
-    """The library's pinned launch choice for this shape with some config keys replaced (the key
-    ``maxnreg`` sets the choice's register cap, not a Helion config key)."""
+    """The library's pinned launch choice for this shape with some config keys replaced (the keys
+    ``maxnreg`` and ``value_chunk`` set the choice's register cap and value chunk, not Helion config keys)."""
     from tp_replayssm import configs
     from tp_replayssm._validation import DecodeDims
 
@@ -170,7 +182,8 @@ def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict
     choice = configs.select_config(dims, state_dtype, torch.device("cuda"))
     changes = dict(changes)
     maxnreg = changes.pop("maxnreg", choice.maxnreg)
-    return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), choice.value_chunk, maxnreg)
+    value_chunk = changes.pop("value_chunk", choice.value_chunk)
+    return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), value_chunk, maxnreg)
 
 
 def main() -> None:
@@ -199,7 +212,7 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
                     help="also time the library's pinned choice for the shape with these Helion config keys "
                          "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it; "
-                         "the key maxnreg sets the register cap)")
+                         "the keys maxnreg and value_chunk set the register cap and the value chunk)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")

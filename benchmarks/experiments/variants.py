@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import importlib.util
 import sys
 import tempfile
@@ -35,6 +36,43 @@ class Variant:
     doc: str
     edits: tuple[tuple[str, str], ...]
     timing_only: bool
+
+
+def _two_buffer_edits() -> tuple[tuple[str, str], ...]:
+    """Edits of ``two_buffers``: the chunk loop unrolled by two with its own register buffers ``SA``/``SB``
+    (and ``dA``/``dB``), each refilled right after its chunk is reduced, so every load has a whole chunk of
+    the other buffer's work to hide behind (the single loop-carried buffer can be refilled only after its
+    own chunk has been consumed, which ptxas schedules halfway through the loop body)."""
+    text = KERNEL.read_text()
+    head = "            for chunk in hl.grid(tv.begin, tv.end, value_chunk):\n"
+    tail = "                    hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)\n"
+    a, b = text.index(head), text.index(tail) + len(tail)
+    body = text[a + len(head):b]
+    first = "                rows = chunk + hl.arange(value_chunk)\n"
+    step = "                after_rows = rows + value_chunk\n"
+    if body.count(first) != 1 or body.count(step) != 1:
+        raise ValueError("variant 'two_buffers': the chunk loop changed (update the variant)")
+    half = body.replace(step, "                after_rows = rows + 2 * value_chunk\n")
+    part_a = half.replace(first, "                rows = pair + hl.arange(value_chunk)  # VARIANT: buffer A\n")
+    part_a = part_a.replace("S_next", "SA").replace("d_next", "dA")
+    part_b = half.replace(first, "                rows = pair + value_chunk + hl.arange(value_chunk)  # buffer B\n")
+    part_b = part_b.replace("S_next", "SB").replace("d_next", "dB")
+    part_a = re.sub(r"\b(after_)?rows\b", r"\1rowsA", part_a)
+    part_b = re.sub(r"\b(after_)?rows\b", r"\1rowsB", part_b)
+    part_b = re.sub(r"\bback\b", "back_b", part_b)  # a second device loop needs its own index name
+    loop = "            for pair in hl.grid(tv.begin, tv.end, 2 * value_chunk):\n" + part_a + part_b
+    load_s = ("            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], "
+              "extra_mask=live[:, None])\n")
+    load_d = ("            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], "
+              "extra_mask=ring_mask[:, None] & live[None, :])\n")
+    return (
+        (text[a:b], loop),
+        (load_s, load_s.replace("S_next", "SA") + "            rows_b = rows + value_chunk\n"
+         "            SB = hl.load(state_rows, [st_base + rows_b * st_v, slice(None)], "
+         "extra_mask=(rows_b < tv.end)[:, None])\n"),
+        (load_d, load_d.replace("d_next", "dA") + "            dB = hl.load(d_rows, [dr_base + j * dr_l, rows_b], "
+         "extra_mask=ring_mask[:, None] & (rows_b < tv.end)[None, :])\n"),
+    )
 
 
 VARIANTS: dict[str, Variant] = {
@@ -152,6 +190,8 @@ VARIANTS: dict[str, Variant] = {
          "                spk = torch.sum(torch.where(ck[None, :], acc, 0.0), dim=1)\n"
          "                spq = torch.sum(torch.where(cq[None, :], acc, 0.0), dim=1)\n"),
     ), False),
+    "two_buffers": Variant("the value-chunk loop unrolled by two with two register buffers (each refilled right "
+                           "after its chunk; needs an even number of chunks per tile)", _two_buffer_edits(), False),
 }
 
 
