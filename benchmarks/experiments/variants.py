@@ -96,6 +96,10 @@ VARIANTS: dict[str, Variant] = {
     "reverse_scan": Variant("the batch path's suffix sums as a reverse hl.cumsum (the kernel of 28b41a1)", (
         (_KEYS, "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, True)  # VARIANT: reverse scan always"),
     ), False),
+    "forward_scan": Variant("the ring's suffix sums as the forward scan on every path (with --tiny-batch on: whole-ring "
+                            "loads without the reverse scan)", (
+        (_KEYS, "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, False)  # VARIANT: forward scan always"),
+    ), False),
     "dot_suffix_sum": Variant("the batch path's suffix sums as a 3xTF32 tensor-core product with a 0/1 "
                               "upper-triangular matrix", (
         (_FORWARD_SCAN,
