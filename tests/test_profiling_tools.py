@@ -106,7 +106,6 @@ def test_tune_decode_cycles_past_the_l2_by_default() -> None:
     assert tune_decode.slot_sets(1, 8, 16, torch.float32, 0) == 16  # the old rule: 8 MiB, L2-resident
 
 
-
 def test_tune_decode_captures_many_slot_sets_per_graph() -> None:
     """One graph per slot set (16 launches) put a gap between graph replays into every step (B = 1: 6.2
     instead of 3.9 us); every set must be timed exactly once, in graphs of >= 256 launches where possible."""
