@@ -81,9 +81,9 @@ def graph_groups(n_sets: int, L: int, min_launches: int = 256) -> list[range]:
     return [range(i, min(i + per, n_sets)) for i in range(0, n_sets, per)]
 
 
-def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
+def time_cycle(prob: dict, launch, L: int, reps: int = 20, min_launches: int = 256) -> float:
     """us per step, averaged over full cycles (every phase incl. the flush), graphs of whole cycles of
-    several slot sets (:func:`graph_groups`)."""
+    several slot sets (:func:`graph_groups` with ``min_launches``)."""
     sets = prob["slot_sets"]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -94,7 +94,7 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graphs = []
-    for group in graph_groups(len(sets), L):
+    for group in graph_groups(len(sets), L, min_launches):
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr):
             for i in group:

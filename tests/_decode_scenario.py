@@ -14,6 +14,8 @@ from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_par
 
 SENTINEL = 1e30
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# out and final state against the float64 plain recurrence at the Kimi GPU shapes (kimi_scenario)
+PLAIN64_TOL = 3e-2
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,11 @@ Helion kernel with ONE program (one CTA) covering all ``B`` rows, in three phase
 On sm_90+ it is launched with programmatic dependent launch and waits at entry, like the decode
 kernel (:mod:`tp_replayssm.kernel`). The barriers are ``tl.debug_barrier()`` (``bar.sync``: it
 orders the CTA's global loads/stores), put in through ``hl.inline_triton``. That is why the grid
-must be a single program: rows in different CTAs could not be ordered. One CTA holds at most :data:`MAX_ROWS` rows (16 per thread at 32 warps);
-larger batches, and pools off CUDA, use the torch ops (:func:`advance_torch`). Each block size / warp
-count is one compiled kernel (cached); ``B`` itself is a runtime argument (``static_shapes=False``),
-so CUDA-graph batch sizes that share a power of two share a compile.
+must be a single program: rows in different CTAs could not be ordered. One CTA holds at most
+:data:`MAX_ROWS` rows (16 per thread at 32 warps); larger batches, and pools off CUDA, use the torch
+ops (:func:`advance_torch`). Each block size / warp count is one compiled kernel (cached); ``B`` itself
+is a runtime argument (``static_shapes=False``), so CUDA-graph batch sizes that share a power of two
+share a compile.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ Launch overlap. On sm_90+ the kernel is launched with programmatic dependent lau
 first waits (``griddepcontrol.wait``) until the previous kernel in the stream has completed and its
 memory is visible, then lets the next PDL-launched kernel start launching. Nothing is read before the
 wait, so the stream order holds for every input; what overlaps is the launch latency of consecutive
-decode / cursor-advance kernels, worth 0.4-0.9 us per step at B <= 8 in CUDA graphs on the H200
-(benchmarks/RESULTS.md, eighth session). (Earlier versions used a separate flush
+decode / cursor-advance kernels, worth 0.53-0.61 us per step at B <= 8 in CUDA graphs on the H200
+(benchmarks/RESULTS.md, ninth session). (Earlier versions used a separate flush
 kernel and tensor-core products for the replay; their register cost made them slower:
 benchmarks/RESULTS.md.)
 
