@@ -27,13 +27,14 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
-                     tiny: bool = False, maxnreg: int | None = None) -> dict[str, int]:
+                     tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
     register cap). Register spills show up as ``stack`` bytes per thread (ptxas's stack frame; the
-    H200's Triton reports the same kernels' ``n_spills`` > 0 exactly when it is nonzero)."""
+    H200's Triton reports the same kernels' ``n_spills`` > 0 exactly when it is nonzero). ``with_sass``
+    adds the disassembly as ``"sass"`` (to see where spill loads and stores sit)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -87,8 +88,10 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        if os.environ.get("KERNEL_REGS_DUMP"):
+        sass = None
+        if os.environ.get("KERNEL_REGS_DUMP") or with_sass:
             sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+        if os.environ.get("KERNEL_REGS_DUMP"):
             (Path(os.environ["KERNEL_REGS_DUMP"]) / "kernel.sass").write_text(sass)
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
@@ -97,6 +100,8 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
         raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
     res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
     res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
+    if with_sass:
+        res["sass"] = sass
     return res
 
 
@@ -106,20 +111,18 @@ def main() -> None:
     ap.add_argument("--vc", type=int, default=16)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--replay-stages", type=int, default=2)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's, "
                     "or variant:NAME (benchmarks/experiments/variants.py)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
-                    "entries; the replay loop's stages go last)")
+                    "entries, all 0)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from tp_replayssm import configs
-    config = configs.launch_config(args.vt, args.warps, args.replay_stages)
+    config = configs.launch_config(args.vt, args.warps)
     if args.loops != 3:
         import helion
-        stages = ([0] * args.loops + [args.replay_stages])[-args.loops:] if args.loops else []
-        config = helion.Config(**{**config.config, "range_num_stages": stages})
+        config = helion.Config(**{**config.config, "range_num_stages": [0] * args.loops})
     kernel_fn = None
     if args.kernel:
         sys.path.insert(0, str(REPO / "benchmarks"))

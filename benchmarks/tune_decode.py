@@ -195,8 +195,6 @@ def main() -> None:
     ap.add_argument("--cands", nargs="+", default=["128:16:1", "64:16:1", "32:16:1", "128:16:4"],
                     help="candidates VT:VC:WARPS[:MAXNREG[:PER_SM]] (value tile, value chunk, warps, register cap per "
                          "thread (0 = none), persistent grid with PER_SM programs per SM (0 = not persistent))")
-    ap.add_argument("--replay-stages", type=int, nargs="+", default=[2],
-                    help="software-pipeline stages of the flush rows' ring-replay loop (0 = none)")
     ap.add_argument("--default-only", action="store_true")
     ap.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
@@ -233,17 +231,17 @@ def main() -> None:
         n_sets = slot_sets(B, HV, args.ring, sdt, args.footprint_mib)
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
         cands = [None] if args.default_only else [None] + [
-            configs.LaunchChoice(configs.launch_config(c[0], c[2], rs, (c + (0, 0))[4] or None), c[1],
+            configs.LaunchChoice(configs.launch_config(c[0], c[2], (c + (0, 0))[4] or None), c[1],
                                  (c + (0,))[3] or None)
-            for c, rs in itertools.product([tuple(map(int, c.split(":"))) for c in args.cands], args.replay_stages)
+            for c in [tuple(map(int, c.split(":"))) for c in args.cands]
         ]
         overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
                      for name, text in (o.split("=", 1) for o in args.override)]
         for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
             use_kernel(kfn)
             name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
-                "vt{}-vc{}-w{}-r{}-m{}-p{}".format(
-                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"], cfg[0]["range_num_stages"][-1],
+                "vt{}-vc{}-w{}-m{}-p{}".format(
+                cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"],
                 cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0)
             if kname != "lib":
                 name = f"{kname}:{name}"

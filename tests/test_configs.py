@@ -35,20 +35,36 @@ CASES = [(torch.float32, False, False), (torch.float32, True, False), (torch.flo
                               "bf16-slot-tiny"])
 def test_the_state_eviction_policy_lands_on_the_checkpoint_loads(state_dtype: torch.dtype, by_slot: bool,
                                                                  tiny: bool) -> None:
-    config = configs.launch_config(128, 4, 2, evict_state_first=True)
+    config = configs.launch_config(128, 4, evict_state_first=True)
     code = _generated_code(config, 16, state_dtype, by_slot, tiny)
     loads = [line.strip() for line in code.splitlines() if "tl.load(" in line]
     evicted = [line for line in loads if "evict_first" in line]
-    assert len(evicted) == 2, evicted
+    assert len(evicted) == 3, evicted  # the first chunk, the append loop's and the flush loop's prefetch
     assert all(re.search(r"tl\.load\(state_rows \+", line) for line in evicted), evicted
     state_loads = [line for line in loads if re.search(r"tl\.load\(state_rows \+", line)]
     assert state_loads == evicted  # every checkpoint load, and nothing else
     if (state_dtype, by_slot, tiny) == CASES[0]:
-        plain = _generated_code(configs.launch_config(128, 4, 2), 16, state_dtype, by_slot, tiny)
+        plain = _generated_code(configs.launch_config(128, 4), 16, state_dtype, by_slot, tiny)
         assert "evict_first" not in plain
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
+def test_flush_product_on_tensor_cores_only_for_bf16_rings(state_dtype: torch.dtype) -> None:
+    """A bf16 ring's flush is three bf16 MMAs (the decayed keys as hi + mid + lo parts); any other ring
+    dtype keeps the rank-1 replay loop (a bf16 split of its deltas would round them)."""
+    config = configs.launch_config(128, 1)
+    for ring_dtype, dots in ((torch.bfloat16, 3), (torch.float32, 0), (torch.float16, 0)):
+        args = example_kernel_args(state_dtype=state_dtype, value_chunk=16, ring_dtype=ring_dtype)
+        code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
+            .to_triton_code(config)
+        assert code.count("tl.dot(") == dots, (ring_dtype, code.count("tl.dot("))
+        # k ring loads: the prologue's [Lb, K] tile, plus one row per replayed entry without the MMAs
+        assert code.count("tl.load(k_rows") == (1 if dots else 2), (ring_dtype, code.count("tl.load(k_rows"))
+
+
 def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
+    """Evict-first checkpoint loads from 4096 (row, head) pairs up with a bf16 checkpoint (fp32 measured
+    faster without them since the tensor-core flush), and on the 4-warp programs of keys wider than 128."""
     dev = torch.device("cuda", 0)
     for batch, heads, expected in ((512, 32, True), (512, 8, True), (128, 32, True), (64, 32, False), (16, 32, False),
                                    (8, 32, False), (1, 8, False)):
@@ -56,10 +72,12 @@ def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
         for state in (torch.float32, torch.bfloat16):
             config = configs.select_config(dims, state, dev).config
             pinned = "load_eviction_policies" in config.config
-            assert pinned == expected, (batch, heads, state)
+            assert pinned == (expected and state == torch.bfloat16), (batch, heads, state)
             if pinned:
                 policies = config.config["load_eviction_policies"]
                 assert [i for i, p in enumerate(policies) if p] == list(configs.STATE_LOADS)
+    wide = configs.select_config(DecodeDims(512, 32, 32, 256, 128, 16, 512), torch.float32, dev).config
+    assert [i for i, p in enumerate(wide.config["load_eviction_policies"]) if p] == list(configs.STATE_LOADS)
     cpu_config = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
                                        torch.device("cpu")).config
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
@@ -68,7 +86,7 @@ def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
 def test_configs_with_nested_lists_compile_to_the_same_config() -> None:
     """``loop_orders`` is a list of lists: the compiled-kernel cache key must still hash, and the kernel
     must get back exactly the config it was asked for (the sixth session's sweep failed on this)."""
-    config = helion.Config(**{**configs.launch_config(128, 4, 2, evict_state_first=True).config,
+    config = helion.Config(**{**configs.launch_config(128, 4, evict_state_first=True).config,
                               "loop_orders": [[1, 2, 0, 3]]})
     kern = kernel.decode_kernel_for(config)
     assert kern.configs[0].config == config.config
@@ -90,7 +108,7 @@ def test_pdl_waits_before_any_load(capability: tuple[int, int] | None, monkeypat
     from tp_replayssm import cursor_kernel
 
     monkeypatch.setattr(compile_environment, "target_device_capability", lambda device=None: capability)
-    decode_config = configs.launch_config(32, 4, 0)
+    decode_config = configs.launch_config(32, 4)
     decode = helion.kernel(kernel.replayssm_decode_kernel, config=decode_config, **kernel._SETTINGS)
     cached = cursor_kernel.advance_kernel_for(32, 4)  # a fresh kernel object: bound code is cached per object
     advance = helion.kernel(cursor_kernel.cursor_advance_kernel, config=cached.configs[0], **cursor_kernel._SETTINGS)

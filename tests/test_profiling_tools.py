@@ -140,4 +140,4 @@ def test_kernel_variant_that_no_longer_fits_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown variant"):
         variants.source("no_such_variant")
     with pytest.raises(ValueError, match="found it 0 times"):
-        variants.source("no_replay", kernel_source='"""doc"""\ndef replayssm_decode_kernel():\n    pass\n')
+        variants.source("replay_flush", kernel_source='"""doc"""\ndef replayssm_decode_kernel():\n    pass\n')

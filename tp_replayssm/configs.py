@@ -2,9 +2,11 @@
 
 A choice is a Helion config plus the kernel's ``value_chunk`` constant. The config's
 ``block_sizes[0]`` is the value tile ``vt`` of one program (the grid is ``B * HV * V/vt`` programs);
-``value_chunk`` (``vc``) is how many value rows of the checkpoint the program's inner loop holds at a
-time (``[vc, K]``, with the next chunk's loads already in flight); ``range_num_stages[2]``
-software-pipelines the flush rows' ring-replay loop. GPU choices come from sweeps on an H200
+``value_chunk`` (``vc``) is how many value rows of the checkpoint the program's inner loops hold at a
+time (``[vc, K]``, with the next chunk's loads already in flight). No loop is software-pipelined
+(``range_num_stages`` all 0): the flush rows' ring-replay loop, which only non-bf16 rings still run, was
+pipelined with two stages until the tenth session; one stage measured the same or faster (up to 4.6%
+at B = 8) on the kernel of that time. GPU choices come from sweeps on an H200
 (``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``). Every call gets the same Config object for
 the same choice (the op caches compiled kernels by config identity). The CPU choice serves the Triton
 interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
@@ -45,14 +47,14 @@ FORCED_TINY_BATCH: bool | None = None
 TINY_BATCH_BELOW = 16
 
 
-# Positions of the checkpoint-chunk loads (the first chunk's, then the prefetch in the chunk loop) in
-# Helion's list of the kernel's loads (``load_eviction_policies``); tests/test_configs.py checks them
-# against the generated code of every kernel specialization.
-STATE_LOADS = (1, 13)
+# Positions of the checkpoint-chunk loads (the first chunk's, then the prefetches in the append and the
+# flush loops) in Helion's list of the kernel's loads (``load_eviction_policies``); tests/test_configs.py
+# checks them against the generated code of every kernel specialization.
+STATE_LOADS = (1, 13, 16)
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(vt: int, warps: int, replay_stages: int, programs_per_sm: int | None = None,
+def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
                   evict_state_first: bool = False) -> helion.Config:
     """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
     makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles).
@@ -66,13 +68,13 @@ def launch_config(vt: int, warps: int, replay_stages: int, programs_per_sm: int 
     if programs_per_sm is not None:
         extra.update(pid_type="persistent_interleaved", num_sm_multiplier=programs_per_sm)
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
-                         range_num_stages=[0, 0, replay_stages], **extra)
+                         range_num_stages=[0, 0, 0], **extra)
 
 
 def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device) -> LaunchChoice:
     """The pinned launch choice for one call (see the module docstring)."""
     if device.type != "cuda":
-        return LaunchChoice(launch_config(32, 4, 0), 16)
+        return LaunchChoice(launch_config(32, 4), 16)
     if FORCED is not None:
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
@@ -85,12 +87,14 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
     # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
     # one warp was slower (HV8 B8 6.6 -> 7.2, B = 1 up to 2x). Evict-first checkpoint loads: -1% to -3%
-    # at 4096+ pairs, +12% at 512 (HV32 B16, vt 128).
+    # at 4096+ pairs, +12% at 512 (HV32 B16, vt 128); with the tensor-core flush (tenth session) only
+    # for a bf16 checkpoint (HV32 B512 288.8 -> 287.6, HV8 B512 73.1 -> 72.5, HV32 B128 72.7 -> 71.6;
+    # fp32 385.3 -> 387.6, 98.3 -> 99.2, 97.3 -> 98.9).
     one_warp = dims.key_dim <= 128
     if programs_full >= 128 and one_warp:
         vt = 128 if programs_full >= 1024 else 64 if programs_full >= 512 else 32
         chunk, warps = 16, 1
-        evict = programs_full >= 4096
+        evict = programs_full >= 4096 and state_dtype == torch.bfloat16
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
         evict = True
@@ -103,7 +107,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return LaunchChoice(launch_config(vt, warps, 2, evict_state_first=evict), min(chunk, vt))
+    return LaunchChoice(launch_config(vt, warps, evict_state_first=evict), min(chunk, vt))
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

@@ -1,7 +1,7 @@
 """The Helion ReplaySSM decode kernel (SPEC section 1); the op wrapper is :mod:`tp_replayssm.ops`.
 
 One launch per decode call, one program per (row ``b``, q/k head ``h``, value head
-``hv = h*r + sub`` of it, value tile ``tv``); all math fp32, no matrix products. Each program
+``hv = h*r + sub`` of it, value tile ``tv``); all math fp32. Each program
 
 1. issues the loads of its first value chunk of the checkpoint (``[Vc, K]``) and of the ring deltas,
    then computes, once, what depends on K only: q/k of head ``h`` (optionally l2-normalized), the
@@ -11,12 +11,19 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
    ``wk = kdec @ (eg*k)``, ``wq = kdec @ (eg*q)``;
 2. walks its value tile chunk by chunk, the next chunk's loads in flight while the current one is
    reduced. The state is never materialized on the every-step path:
-   ``S' @ k = S0 @ (exp(tot)*eg*k) + D^T wk`` and likewise for q, two mat-vec products per chunk.
-   A value row's ``delta`` needs only its own row, so each chunk finishes its rows: ``out``, then
-   either the ring append of ``delta`` at position ``c`` or, on a flush row, the new checkpoint
-   ``Snew = S0*exp(tot+g) + sum_j d_j (outer) k_j*exp(sum_{j<i<=c} g_i) + delta (outer) k``, the ring
-   replayed newest to oldest as rank-1 updates of the chunk (a short loop only flush rows run);
-3. appends ``g`` (and ``k``, once per q/k head) at ring position ``c`` on non-flush rows.
+   ``S' @ k = S0 @ (exp(tot)*eg*k) + D^T wk`` and likewise for q, two mat-vec products per chunk
+   (``_chunk_outputs``). A value row's ``delta`` needs only its own row, so each chunk finishes its
+   rows. A row that appends (every step but the flush) runs one loop: ``out`` and the ring append of
+   ``delta`` at position ``c``, then ``g`` (and ``k``, once per q/k head) at ``c``. A flush row runs a
+   second loop (the branch is per program): ``out`` and the new checkpoint
+   ``Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k`` with ``Kf [Lb, K] = kdec*exp(g)`` (the keys
+   decayed to the new state). With a bf16 ring, ``D^T @ Kf`` is one tensor-core product per chunk:
+   ``D`` is exact in bf16 and ``Kf`` is split once per program into ``hi + mid + lo`` bf16 parts
+   (~2^-24 relative, as exact as fp32), three MMAs with fp32 accumulation. Other ring dtypes replay
+   the ring newest to oldest as rank-1 updates of the chunk. The flush product used to be that replay
+   on every path, a serial loop of ``Lb x Vc x K`` FMAs per chunk that cost the flush step about two
+   normal steps; on tensor cores the cycle-averaged step is 4-9% faster from B = 128 up and 0.2-0.9 us
+   faster at B <= 8 (H200, benchmarks/RESULTS.md, tenth session).
 
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
 launch, no second read of the checkpoint, no scratch buffer.
@@ -26,9 +33,8 @@ first waits (``griddepcontrol.wait``) until the previous kernel in the stream ha
 memory is visible, then lets the next PDL-launched kernel start launching. Nothing is read before the
 wait, so the stream order holds for every input; what overlaps is the launch latency of consecutive
 decode / cursor-advance kernels, worth 0.53-0.61 us per step at B <= 8 in CUDA graphs on the H200
-(benchmarks/RESULTS.md, ninth session). (Earlier versions used a separate flush
-kernel and tensor-core products for the replay; their register cost made them slower:
-benchmarks/RESULTS.md.)
+(benchmarks/RESULTS.md, ninth session). (Earlier versions used a separate flush kernel, and
+tensor-core products on every step; their register cost made them slower: benchmarks/RESULTS.md.)
 
 Addressing. Slots come from ``ssm_state_indices`` at run time, so caches are indexed by element
 offsets: the wrapper passes each cache as an overlapping "row" view ``[span, last]`` with strides
@@ -81,6 +87,17 @@ def _decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tenso
     return kdec, torch.sum(g_ring, dim=0)
 
 
+def _chunk_outputs(S0, d_ring, v_c, ak, aq, wk, wq, beta, kq):  # noqa: ANN001, ANN202 - traced by Helion
+    """``delta [Vc]`` and ``out [Vc]`` of one value chunk from its checkpoint rows ``S0 [Vc, K]`` and ring
+    deltas ``d_ring [Lb, Vc]`` (fp32): ``S' @ k = S0 @ ak + D^T wk``, likewise for q. The vectors come
+    broadcastable (``ak, aq [1, K]``, ``wk, wq [Lb, 1]``): Helion 1.5.0 fails to lower an indexing such as
+    ``ak[None, :]`` of a kernel value inside a helper called from two loops."""
+    spk = torch.sum(S0 * ak, dim=1) + torch.sum(d_ring * wk, dim=0)
+    spq = torch.sum(S0 * aq, dim=1) + torch.sum(d_ring * wq, dim=0)
+    delta = beta * (v_c - spk)
+    return delta, spq + delta * kq
+
+
 def replayssm_decode_kernel(
     q3: torch.Tensor,  # [B, H, K] view into mixed_qkv
     k3: torch.Tensor,  # [B, H, K]
@@ -117,6 +134,8 @@ def replayssm_decode_kernel(
     HV = hl.specialize(v3.size(1))
     V = hl.specialize(v3.size(2))
     group = HV // H
+    # the flush's ring product on tensor cores: bf16 rings (exact MMA operands) and tiles of >= 16 x 16
+    ring_on_tensor_cores = d_rows.dtype == torch.bfloat16 and value_chunk >= 16 and state_rows.size(1) >= 16
     # Programmatic dependent launch (sm_90+; nothing elsewhere): wait at entry until the previous kernel
     # in the stream has finished and its writes are visible, then let the next PDL kernel launch, so
     # launches overlap the previous kernel's tail (see the module docstring)
@@ -141,8 +160,7 @@ def replayssm_decode_kernel(
             else:
                 cur = write_pos[row]
             forced = force_flush[row]
-            flush = (cur == ring_length - 1) | (forced != 0)
-            append = (cur != ring_length - 1) & (forced == 0)  # not flush
+            append = (cur != ring_length - 1) & (forced == 0)  # else this step flushes the row
             j = hl.arange(ring_block)
             valid = (j < cur) & (j < ring_length)  # ring entries j < cursor are live
             if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below
@@ -166,44 +184,68 @@ def replayssm_decode_kernel(
             ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
             aq = et * xq
             kq = torch.sum(k * q, dim=0)
-            for chunk in hl.grid(tv.begin, tv.end, value_chunk):
-                rows = chunk + hl.arange(value_chunk)
-                live = rows < tv.end
-                S0 = S_next.to(torch.float32)  # [Vc, K]
-                d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                # prefetch the next chunk (fully masked after the last one)
-                after_rows = rows + value_chunk
-                more = after_rows < tv.end
-                S_next = hl.load(state_rows, [st_base + after_rows * st_v, slice(None)], extra_mask=more[:, None])
-                d_next = hl.load(d_rows, [dr_base + j * dr_l, after_rows], extra_mask=valid[:, None] & more[None, :])
-                spk = torch.sum(S0 * ak[None, :], dim=1) + torch.sum(d_ring * wk[:, None], dim=0)
-                spq = torch.sum(S0 * aq[None, :], dim=1) + torch.sum(d_ring * wq[:, None], dim=0)
-                v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                delta = beta * (v_c - spk)
-                hl.store(out3, [row, hv, rows], (spq + delta * kq).to(out3.dtype), extra_mask=live)
-                if flush:  # Snew = S0*exp(tot+g) + sum_j d_j (outer) k_j*exp(sum_{j<i<=c} g_i) + delta (outer) k
-                    S_new = S0 * (et * eg)[None, :] + delta[:, None] * k[None, :]
-                    decay = g  # log-decay from entry j to the new state, built newest to oldest
-                    for back in hl.grid(cur):
-                        jr = cur - 1 - back
-                        k_j = k_rows[s64 * kr_s + h * kr_h + jr * kr_l, :].to(torch.float32)
-                        d_j = hl.load(d_rows, [dr_base + jr * dr_l, rows], extra_mask=live).to(torch.float32)
-                        S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
-                        decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
-                    hl.store(state_rows, [st_base + rows * st_v, slice(None)], S_new.to(state_rows.dtype),
-                             extra_mask=live[:, None])
-                else:
+            ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
+            if append:  # every step but the flush: outputs and the ring append of delta
+                for chunk in hl.grid(tv.begin, tv.end, value_chunk):
+                    rows = chunk + hl.arange(value_chunk)
+                    live = rows < tv.end
+                    S0 = S_next.to(torch.float32)  # [Vc, K]
+                    d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                    after = rows + value_chunk  # prefetch the next chunk (masked after the last)
+                    S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                     extra_mask=(after < tv.end)[:, None])
+                    d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
+                                     extra_mask=valid[:, None] & (after < tv.end)[None, :])
+                    v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                    delta, out = _chunk_outputs(S0, d_ring, v_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                    hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
                     hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
-            if append & (tv.begin == 0):
-                g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
-                if sub == 0:
-                    k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+                if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
+                    g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
+                    if sub == 0:
+                        k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+            else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
+                if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
+                    k_flush = kdec * eg[None, :]  # [Lb, K]
+                    k_hi = k_flush.to(torch.bfloat16)
+                    k_rest = k_flush - k_hi.to(torch.float32)
+                    k_mid = k_rest.to(torch.bfloat16)
+                    k_lo = (k_rest - k_mid.to(torch.float32)).to(torch.bfloat16)
+                # the append loop's chunk walk again: Helion 1.5.0 fails to lower hl.load inside a helper
+                # function called from two loops (InductorLoweringError on aten.slice), so it is spelled out
+                for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                    frows = fchunk + hl.arange(value_chunk)
+                    flive = frows < tv.end
+                    fS0 = S_next.to(torch.float32)  # [Vc, K]
+                    fd_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                    fafter = frows + value_chunk  # prefetch the next chunk (masked after the last)
+                    S_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
+                                     extra_mask=(fafter < tv.end)[:, None])
+                    d_next = hl.load(d_rows, [dr_base + j * dr_l, fafter],
+                                     extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
+                    fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
+                    fdelta, fout = _chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                    hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
+                    S_new = fS0 * (et * eg)[None, :] + fdelta[:, None] * k[None, :]
+                    if ring_on_tensor_cores:  # [Vc, Lb] @ [Lb, K], fp32 accumulation; the bf16 ring is exact
+                        d_t = fd_ring.to(torch.bfloat16).T
+                        S_new = hl.dot(d_t, k_hi, acc=hl.dot(d_t, k_mid, acc=hl.dot(d_t, k_lo, acc=S_new)))
+                    else:  # the ring replayed newest to oldest as rank-1 updates (fp32 or fp16 rings)
+                        decay = g  # log-decay from entry j to the new state
+                        for back in hl.grid(cur):
+                            jr = cur - 1 - back
+                            k_j = k_rows[s64 * kr_s + h * kr_h + jr * kr_l, :].to(torch.float32)
+                            d_j = hl.load(d_rows, [dr_base + jr * dr_l, frows], extra_mask=flive).to(torch.float32)
+                            S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
+                            decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
+                    hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
+                             extra_mask=flive[:, None])
         else:
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
     return out3
 
 
-# No matrix products: every reduction is an fp32 sum in registers (no tf32 rounding anywhere).
+# The every-step reductions are fp32 sums in registers; the flush's bf16 MMAs take exact operands (no tf32).
 _SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
 
 

@@ -121,19 +121,19 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, value_dim: int = 128,
                         ring: int = 16, state_dtype: torch.dtype = torch.float32, value_chunk: int = 16,
                         lower_bound: float | None = None, cursors_by_slot: bool = False,
-                        tiny: bool = False) -> tuple:
+                        tiny: bool = False, ring_dtype: torch.dtype = torch.bfloat16) -> tuple:
     """The decode kernel's positional arguments (:func:`tp_replayssm.ops.kernel_args`) for random CPU
     activations and zero caches of ``batch`` slots, ``H = HV = heads``: what code generation and
     compile-only tools need (nothing runs). ``cursors_by_slot`` passes a per-slot cursor table
-    ``[batch + 1]`` as the pool does."""
+    ``[batch + 1]`` as the pool does; ``ring_dtype`` is the d and k rings' dtype (the g ring is fp32)."""
     from . import ops
     from ._validation import validate_decode_inputs
 
     B, H, K, V, L = batch, heads, key_dim, value_dim, ring
     inp = random_decode_inputs(B, H, H, K, V)
     p = random_head_params(H, K)
-    caches = (torch.zeros(B, H, V, K, dtype=state_dtype), torch.zeros(B, H, L, V, dtype=torch.bfloat16),
-              torch.zeros(B, H, L, K, dtype=torch.bfloat16), torch.zeros(B, H, L, K))
+    caches = (torch.zeros(B, H, V, K, dtype=state_dtype), torch.zeros(B, H, L, V, dtype=ring_dtype),
+              torch.zeros(B, H, L, K, dtype=ring_dtype), torch.zeros(B, H, L, K))
     out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
     slots = torch.arange(B, dtype=torch.int32)
     zeros = torch.zeros(B, dtype=torch.int32)

@@ -6,12 +6,14 @@ slots) with each candidate swapped into the op, and prints the worst errors agai
 the float64 plain recurrence with a PASS / FAIL verdict from the tests' tolerances.
 
     python benchmarks/experiments/check_candidate.py --kernel dot=variant:NAME --hv 32 8 --batch 8 64 256
+    python benchmarks/experiments/check_candidate.py --kernel c=FILE --override '{"range_num_stages": [0, 0]}'
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 
@@ -27,12 +29,14 @@ def main() -> None:
     ap.add_argument("--hv", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
+    ap.add_argument("--override", default=None, metavar="JSON",
+                    help="config keys replaced in each shape's pinned choice (as tune_decode.py --override)")
     args = ap.parse_args()
     from _decode_scenario import OUT_TOL, PLAIN64_TOL, kimi_scenario, run_scenario
     from experiments.variants import load_kernel
-    from tune_decode import use_kernel
+    from tune_decode import pinned_with, use_kernel
 
-    from tp_replayssm import ops
+    from tp_replayssm import configs, ops
 
     failures = 0
     for spec in args.kernel:
@@ -41,6 +45,8 @@ def main() -> None:
         for HV, B, sname in itertools.product(args.hv, args.batch, args.state):
             sdt = torch.float32 if sname == "fp32" else torch.bfloat16
             sc = kimi_scenario(HV, HV, B, sdt)
+            if args.override:
+                configs.FORCED = pinned_with(B, HV, sc.L, sdt, json.loads(args.override))
             try:
                 w = run_scenario(sc, ops.replayssm_decode)
                 ok = (w.out_vs_reference <= OUT_TOL[sc.act_dtype]
@@ -53,6 +59,7 @@ def main() -> None:
             failures += not ok
             print(f"check {name} HV={HV} B={B} {sname}: {verdict} {detail}", flush=True)
         use_kernel(None)
+    configs.FORCED = None
     raise SystemExit(1 if failures else 0)
 
 
