@@ -3,7 +3,8 @@
 # the placement-check cost and the launcher on CUDA.
 # usage (device tool, carry .devwheels):  bash benchmarks/run_device_checks.sh
 # env: BENCH_DECODE=0 / PLACEMENT=0 / LAUNCHER=0 skip those steps (to fit one call with a longer test run);
-# GPU_TEST_FILES replaces the test files
+# GPU_TEST_FILES replaces the test files. Since the tensor-core flush (tenth session) the whole GPU matrix
+# needs more than 320 s (compiles): BENCH_DECODE=0 PLACEMENT=0 LAUNCHER=0 TEST_TIMEOUT=450 fits one call
 set -u
 source benchmarks/device_setup.sh || exit 1
 LOG="$OUT/checks.log"

@@ -79,11 +79,11 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
     evict = False
-    # One warp per program from 128 (row, head) pairs up: no cross-warp reductions, scans or layout
-    # conversions (no barriers), and 8 KiB fp32 chunks in flight per warp. A [16, K] fp32 tile is 64
-    # registers per thread at K = 128 (~254 in all, no spills, 8 programs per SM), so wider keys keep the
-    # 4-warp programs. The value tile is the widest of 128 / 64 / 32 that still makes >= 1024 programs
-    # (about one full wave of 132 SMs x 8). H200, 2026-11-30 (seventh session), us/step against the
+    # One warp per program from 128 (row, head) pairs up: no cross-warp reductions or scans, and 8 KiB
+    # fp32 chunks in flight per warp. A [16, K] fp32 tile is 64 registers per thread at K = 128 (~255 in
+    # all, 8 programs per SM; only the flush loop spills, 16 B), so wider keys keep the 4-warp programs.
+    # The value tile is the widest of 128 / 64 / 32 that still makes >= 1024 programs (about one full
+    # wave of 132 SMs x 8). H200, 2026-11-30 (seventh session), us/step against the
     # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
     # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
     # one warp was slower (HV8 B8 6.6 -> 7.2, B = 1 up to 2x). Evict-first checkpoint loads: -1% to -3%
