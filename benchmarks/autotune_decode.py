@@ -61,13 +61,13 @@ def main() -> None:
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
     dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
                       num_slots=B)
-    pinned, chunk, _ = configs.select_config(dims, sdt, torch.device("cuda"))
+    pinned, chunk, _, mma_chunks = configs.select_config(dims, sdt, torch.device("cuda"))
     prob = make_problem(B, HV, HV, L, sdt, 1)
     inp, p = prob["inputs"][0], prob["p"]
     zeros = torch.zeros(B, dtype=torch.int32, device="cuda")
     kargs = ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 128**-0.5, prob["st"], prob["d"],
                             prob["kc"], prob["g"], prob["out"], prob["slot_sets"][0], prob["cursors"][args.cursor],
-                            zeros, True, None, chunk, False, configs.tiny_batch(dims))
+                            zeros, True, None, chunk, False, configs.tiny_batch(dims), mma_chunks)
     kern = helion.kernel(kernel.replayssm_decode_kernel, static_shapes=True, index_dtype=torch.int64,
                          autotune_effort=args.effort, autotune_budget_seconds=args.budget_s,
                          autotune_seed_configs=[pinned], autotune_ignore_errors=True, autotune_progress_bar=False,

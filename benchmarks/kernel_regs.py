@@ -27,12 +27,13 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
-                     tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False) -> dict[str, object]:
+                     tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False,
+                     mma_chunks: bool = False) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
-    register cap). Register spills show up as ``stack`` bytes per thread (ptxas's stack frame; the
+    register cap; ``mma_chunks`` its tensor-core chunk path). Register spills show up as ``stack`` bytes per thread (ptxas's stack frame; the
     H200's Triton reports the same kernels' ``n_spills`` > 0 exactly when it is nonzero). ``with_sass``
     adds the disassembly as ``"sass"`` (to see where spill loads and stores sit)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -49,7 +50,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
-                               tiny=tiny)
+                               tiny=tiny, mma_chunks=mma_chunks)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own
@@ -112,6 +113,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--maxnreg", type=int, default=None)
+    ap.add_argument("--mma-chunks", action="store_true", help="the tensor-core chunk path (bf16 state), with "
+                    "--stages pipeline stages on its loop")
+    ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's, "
                     "or variant:NAME (benchmarks/experiments/variants.py)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
@@ -119,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     from tp_replayssm import configs
-    config = configs.launch_config(args.vt, args.warps)
+    config = configs.launch_config(args.vt, args.warps, chunk_stages=args.stages if args.mma_chunks else 0)
     if args.loops != 3:
         import helion
         config = helion.Config(**{**config.config, "range_num_stages": [0] * args.loops})
@@ -129,8 +133,10 @@ def main() -> None:
         from experiments.variants import load_kernel
 
         kernel_fn = load_kernel(args.kernel)
-    r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg)
-    print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state}: "
+    r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg,
+                         mma_chunks=args.mma_chunks)
+    print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state} "
+          f"mma_chunks={args.mma_chunks}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 

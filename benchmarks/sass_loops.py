@@ -38,14 +38,21 @@ def mix(body: list[tuple[int, str]]) -> str:
     return f"{len(body):5d} instr  " + " ".join(parts)
 
 
-def main() -> None:
-    ins = parse(open(sys.argv[1]).read())
-    print(f"kernel: {mix(ins)}")
+def loops(ins: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """``(start, end)`` addresses of every loop: a branch back to ``start`` at ``end``."""
+    out = []
     for addr, text in ins:
         m = re.search(r"BRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            start = int(m.group(1), 16)
-            print(f"loop {start:#06x}-{addr:#06x}: {mix([x for x in ins if start <= x[0] <= addr])}")
+            out.append((int(m.group(1), 16), addr))
+    return out
+
+
+def main() -> None:
+    ins = parse(open(sys.argv[1]).read())
+    print(f"kernel: {mix(ins)}")
+    for start, end in loops(ins):
+        print(f"loop {start:#06x}-{end:#06x}: {mix([x for x in ins if start <= x[0] <= end])}")
 
 
 if __name__ == "__main__":

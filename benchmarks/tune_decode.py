@@ -173,7 +173,8 @@ def register_report() -> None:
 
 def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict):  # -> configs.LaunchChoice
     """The library's pinned launch choice for this shape with some config keys replaced (the keys
-    ``maxnreg`` and ``value_chunk`` set the choice's register cap and value chunk, not Helion config keys)."""
+    ``maxnreg`` (0: no cap), ``value_chunk`` and ``mma_chunks`` set the choice's fields of those names, not
+    Helion config keys)."""
     from tp_replayssm import configs
     from tp_replayssm._validation import DecodeDims
 
@@ -181,9 +182,10 @@ def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict
                       num_slots=B)
     choice = configs.select_config(dims, state_dtype, torch.device("cuda"))
     changes = dict(changes)
-    maxnreg = changes.pop("maxnreg", choice.maxnreg)
+    maxnreg = changes.pop("maxnreg", choice.maxnreg) or None
     value_chunk = changes.pop("value_chunk", choice.value_chunk)
-    return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), value_chunk, maxnreg)
+    mma_chunks = bool(changes.pop("mma_chunks", choice.mma_chunks))
+    return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), value_chunk, maxnreg, mma_chunks)
 
 
 def main() -> None:
@@ -210,7 +212,9 @@ def main() -> None:
     ap.add_argument("--override", action="append", default=[], metavar="NAME=JSON",
                     help="also time the library's pinned choice for the shape with these Helion config keys "
                          "replaced, e.g. 'ev={\"load_eviction_policies\": [...]}' (repeatable; '{}' re-times it; "
-                         "the keys maxnreg and value_chunk set the register cap and the value chunk)")
+                         "the keys maxnreg, value_chunk and mma_chunks set those fields of the launch choice)")
+    ap.add_argument("--override-kernels", nargs="+", default=None, metavar="NAME",
+                    help="the kernels (names from --kernel, 'lib') that run the --override choices; default all")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
@@ -238,6 +242,8 @@ def main() -> None:
         overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
                      for name, text in (o.split("=", 1) for o in args.override)]
         for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
+            if args.override_kernels is not None and kname not in args.override_kernels and not any(cfg is c for c in cands):
+                continue
             use_kernel(kfn)
             name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
                 "vt{}-vc{}-w{}-m{}-p{}".format(

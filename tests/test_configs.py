@@ -8,6 +8,7 @@ checkpoint-chunk loads and nowhere else.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -17,6 +18,13 @@ import helion
 from tp_replayssm import configs, kernel
 from tp_replayssm._validation import DecodeDims
 from tp_replayssm.testing import example_kernel_args
+
+
+def _device_lines(code: str) -> list[str]:
+    """The Triton kernel's lines of Helion's generated module, without the comments that quote the source
+    (the host function after it repeats the kernel's Python statements)."""
+    device = code.split("\ndef replayssm_decode_kernel(")[0]
+    return [line for line in device.splitlines() if not line.strip().startswith("#")]
 
 
 def _generated_code(config: helion.Config, chunk: int, state_dtype: torch.dtype, by_slot: bool, tiny: bool) -> str:
@@ -62,25 +70,62 @@ def test_flush_product_on_tensor_cores_only_for_bf16_rings(state_dtype: torch.dt
         assert code.count("tl.load(k_rows") == (1 if dots else 2), (ring_dtype, code.count("tl.load(k_rows"))
 
 
-def test_only_the_streaming_regime_pins_the_eviction_policy() -> None:
-    """Evict-first checkpoint loads from 4096 (row, head) pairs up with a bf16 checkpoint (fp32 measured
-    faster without them since the tensor-core flush), and on the 4-warp programs of keys wider than 128."""
+def test_only_wide_keys_pin_the_eviction_policy() -> None:
+    """Evict-first checkpoint loads only on the 4-warp programs of keys wider than 128. One-warp programs
+    load without hints: an fp32 checkpoint measured faster without them since the tensor-core flush, and
+    a bf16 checkpoint from 1024 pairs up takes the tensor-core chunks, where they changed nothing."""
     dev = torch.device("cuda", 0)
-    for batch, heads, expected in ((512, 32, True), (512, 8, True), (128, 32, True), (64, 32, False), (16, 32, False),
-                                   (8, 32, False), (1, 8, False)):
+    for batch, heads in ((512, 32), (512, 8), (128, 32), (64, 32), (16, 32), (8, 32), (1, 8)):
         dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
         for state in (torch.float32, torch.bfloat16):
             config = configs.select_config(dims, state, dev).config
-            pinned = "load_eviction_policies" in config.config
-            assert pinned == (expected and state == torch.bfloat16), (batch, heads, state)
-            if pinned:
-                policies = config.config["load_eviction_policies"]
-                assert [i for i, p in enumerate(policies) if p] == list(configs.STATE_LOADS)
+            assert "load_eviction_policies" not in config.config, (batch, heads, state)
     wide = configs.select_config(DecodeDims(512, 32, 32, 256, 128, 16, 512), torch.float32, dev).config
     assert [i for i, p in enumerate(wide.config["load_eviction_policies"]) if p] == list(configs.STATE_LOADS)
     cpu_config = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.float32,
                                        torch.device("cpu")).config
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
+
+
+def test_tensor_core_chunks_regime() -> None:
+    """The tensor-core chunk path (``mma_chunks``) from 1024 (row, head) pairs up, only when the checkpoint
+    and the d ring are both bf16 (exact MMA operands), with its loop software-pipelined (3 stages) and,
+    from 4096 pairs, a 168-register cap; every other choice keeps unpipelined loops and no cap."""
+    dev = torch.device("cuda", 0)
+    for batch, heads in ((512, 32), (512, 8), (128, 32), (128, 8), (32, 32), (64, 8), (16, 32), (8, 32), (1, 8)):
+        dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
+        for state, ring in itertools.product((torch.float32, torch.bfloat16), (torch.float32, torch.bfloat16)):
+            choice = configs.select_config(dims, state, dev, ring)
+            mma = state == ring == torch.bfloat16 and batch * heads >= 1024
+            assert choice.mma_chunks == mma, (batch, heads, state, ring)
+            assert choice.config.config["range_num_stages"] == [0, 3 if mma else 0, 0]
+            assert choice.maxnreg == (168 if mma and batch * heads >= 4096 else None)
+    wide = configs.select_config(DecodeDims(512, 32, 32, 256, 128, 16, 512), torch.bfloat16, dev)
+    assert not wide.mma_chunks and wide.maxnreg is None
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])
+def test_tensor_core_chunks_only_for_bf16_operands(state_dtype: torch.dtype) -> None:
+    """``chunks_on_tensor_cores`` changes the code only for a bf16 checkpoint with a bf16 ring: the append
+    loop's two MMAs (checkpoint and ring products) and no first-chunk loads ahead of the prologue (the
+    pipeline streams the chunks); an fp32 checkpoint (its bf16 rounding would lose precision) or an fp32
+    ring keeps the register path."""
+    config = configs.launch_config(128, 1, chunk_stages=3)
+    for ring_dtype in (torch.bfloat16, torch.float32):
+        plain = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(
+            example_kernel_args(state_dtype=state_dtype, ring_dtype=ring_dtype)).to_triton_code(config)
+        code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(
+            example_kernel_args(state_dtype=state_dtype, ring_dtype=ring_dtype, mma_chunks=True)).to_triton_code(config)
+        flush_dots = 3 if ring_dtype == torch.bfloat16 else 0
+        assert plain.count("tl.dot(") == flush_dots
+        taken = state_dtype == ring_dtype == torch.bfloat16
+        assert code.count("tl.dot(") == flush_dots + (2 if taken else 0), (state_dtype, ring_dtype)
+        assert (_device_lines(code) == _device_lines(plain)) == (not taken)
+        if taken:
+            stages = [ln for ln in code.splitlines() if "tl.range(" in ln]
+            assert sum("num_stages=3" in ln for ln in stages) == 1, stages
+            # the checkpoint's loads: the pipelined chunk, then the flush loop's first chunk and prefetch
+            assert code.count("tl.load(state_rows") == 3 == plain.count("tl.load(state_rows")
 
 
 def test_configs_with_nested_lists_compile_to_the_same_config() -> None:

@@ -280,7 +280,7 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
 
     dims, inputs = _decode_inputs(lower_bound)
     scale = 0.3
-    config, value_chunk, _ = select_config(dims, torch.float32, torch.device("cpu"))
+    config, value_chunk, _, _ = select_config(dims, torch.float32, torch.device("cpu"))
     args = ops.kernel_args(dims, *inputs[:5], scale, *inputs[5:], True, lower_bound, value_chunk)
     kern = decode_kernel.decode_kernel_for(config)
     host = kern.bind(args).compile_config(config)

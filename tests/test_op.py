@@ -20,6 +20,8 @@ CASES = {
                                             cache_dtype=torch.float32, l2norm=False, lower_bound=-5.0, steps=7),
     # L = 1: every step flushes
     "ring-length-1": Scenario(L=1, act_dtype=torch.float32, cache_dtype=torch.float32, steps=3, B=3),
+    # bf16 checkpoint and rings (the tensor-core chunk path), fp32 activations: out held to fp32 accuracy
+    "bf16state-bf16ring-fp32act": Scenario(act_dtype=torch.float32, state_dtype=torch.bfloat16),
     # layer slice of a [2, S, ...] pool (strided views), two value tiles (V=64), a [B,HV,K], dt_bias [HV,K]
     "strided-layer-view-2-vtiles": Scenario(V=64, layer_view=True, a_3d=True, act_dtype=torch.float32,
                                             cache_dtype=torch.float32, steps=6, B=3, HV=2, H=1),
@@ -55,6 +57,29 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     limit = 3e-2 if sc.cache_dtype == torch.bfloat16 else 1e-4
     assert worst.out_vs_plain64 <= limit and worst.state_vs_plain64 <= limit, worst
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["register-chunks", "tensor-core-chunks"])
+def test_both_chunk_paths_match_reference(mma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's every-step chunk paths (``LaunchChoice.mma_chunks``) on a bf16 checkpoint with bf16
+    rings: row reductions in registers, or bf16 MMAs against the ``hi + mid + lo`` split of the fp32
+    vectors. With fp32 activations ``out`` must match the reference to 2e-5: plain bf16 vectors fail that
+    (checked by mutation; a two-part split passes at this size, the third part is margin that costs only
+    prologue instructions). Ring entries past the cursor are NaN, so an unmasked MMA operand shows up as
+    non-finite output."""
+    chosen = ops.select_config
+
+    def forced(*args: object, **kwargs: object) -> configs.LaunchChoice:
+        choice = chosen(*args, **kwargs)
+        assert choice.mma_chunks  # the CPU choice takes the MMAs whenever both operands are bf16
+        return choice._replace(mma_chunks=mma)
+
+    monkeypatch.setattr(ops, "select_config", forced)
+    sc = CASES["bf16state-bf16ring-fp32act"]
+    worst = run_scenario(sc, ops.replayssm_decode)
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
 def test_tiny_batch_path_only_below_the_threshold() -> None:
@@ -207,9 +232,10 @@ def test_gpu_config_choice_is_stable_and_cached() -> None:
               state: torch.dtype = torch.float32) -> tuple[int, int, int]:
         dims = DecodeDims(batch=batch, num_q_heads=hv, num_v_heads=hv, key_dim=k, value_dim=v, ring_length=16,
                           num_slots=batch)
-        config, chunk, maxnreg = select_config(dims, state, cuda)
+        config, chunk, maxnreg, mma = select_config(dims, state, cuda)
         again = select_config(dims, state, cuda).config
-        assert config is again and maxnreg is None
+        assert config is again and maxnreg == (168 if mma and batch * hv >= 4096 else None)
+        assert mma == (state == torch.bfloat16 and batch * hv >= 1024 and k <= 128)
         vt = config.config["block_sizes"][0]
         assert chunk <= vt and vt % chunk == 0
         return vt, chunk, config.config["num_warps"]
@@ -223,7 +249,7 @@ def test_gpu_config_choice_is_stable_and_cached() -> None:
     # keys wider than 128 keep 4-warp programs (one warp's [16, K] tiles would spill), 8 KiB chunks
     assert tiles(512, 32, k=256) == (128, 16, 4) and tiles(512, 32, k=256, state=torch.bfloat16) == (128, 16, 4)
     assert tiles(8, 32, k=256) == (64, 16, 2)
-    cpu, cpu_chunk, _ = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
+    cpu, cpu_chunk, _, _ = select_config(DecodeDims(4, 2, 4, 16, 16, 4, 8), torch.float32, torch.device("cpu"))
     assert cpu.config["indexing"] == "pointer" and cpu_chunk < cpu.config["block_sizes"][0]
 
 

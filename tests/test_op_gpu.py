@@ -47,6 +47,25 @@ def test_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 
+@pytest.mark.parametrize("B,HV", [(256, 8), (128, 32)], ids=["uncapped", "capped"])
+def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
+    """A bf16 checkpoint with bf16 rings at 1024+ (row, head) pairs takes the tensor-core chunks (under a
+    register cap from 4096); with fp32 activations ``out`` must still match the reference to 2e-5."""
+    from tp_replayssm import configs
+    from tp_replayssm._validation import DecodeDims
+
+    dims = DecodeDims(B, HV, HV, 128, 128, 16, B)
+    choice = configs.select_config(dims, torch.bfloat16, torch.device("cuda"))
+    assert choice.mma_chunks and (choice.maxnreg is not None) == (B * HV >= 4096)
+    sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, act_dtype=torch.float32,
+                  state_dtype=torch.bfloat16, steps=17, flush_prob=0.05, seed=B + HV, device="cuda")
+    worst = run_scenario(sc, ops.replayssm_decode)
+    RESULTS.append(dict(case=f"mma-chunks-fp32act-B{B}-HV{HV}", **vars(worst)))
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
+
+
 def test_strided_layer_view_fp32_exact_path() -> None:
     sc = Scenario(B=64, H=8, HV=16, K=128, V=128, L=8, S=80, act_dtype=torch.float32,
                   cache_dtype=torch.float32, layer_view=True, a_3d=True, steps=10, device="cuda")

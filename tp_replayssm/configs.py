@@ -1,16 +1,18 @@
 """Pinned launch choices for the decode kernel, per device kind and batch regime.
 
-A choice is a Helion config plus the kernel's ``value_chunk`` constant. The config's
-``block_sizes[0]`` is the value tile ``vt`` of one program (the grid is ``B * HV * V/vt`` programs);
-``value_chunk`` (``vc``) is how many value rows of the checkpoint the program's inner loops hold at a
-time (``[vc, K]``, with the next chunk's loads already in flight). No loop is software-pipelined
-(``range_num_stages`` all 0): the flush rows' ring-replay loop, which only non-bf16 rings still run, was
-pipelined with two stages until the tenth session; one stage measured the same or faster (up to 4.6%
-at B = 8) on the kernel of that time. GPU choices come from sweeps on an H200
+A choice is a Helion config plus the kernel's ``value_chunk`` and ``chunks_on_tensor_cores`` constants
+and an optional register cap (:class:`LaunchChoice`). The config's ``block_sizes[0]`` is the value tile
+``vt`` of one program (the grid is ``B * HV * V/vt`` programs); ``value_chunk`` (``vc``) is how many value
+rows of the checkpoint the program's inner loops hold at a time (``[vc, K]``, with the next chunk's
+loads already in flight). Only the tensor-core chunk loop is software-pipelined (3 stages); the others
+are not (``range_num_stages`` 0): the flush rows' ring-replay loop, which only non-bf16 rings still run,
+was pipelined with two stages until the tenth session; one stage measured the same or faster (up to
+4.6% at B = 8) on the kernel of that time. GPU choices come from sweeps on an H200
 (``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``). Every call gets the same Config object for
 the same choice (the op caches compiled kernels by config identity). The CPU choice serves the Triton
 interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
-``tensor_descriptor`` indexing.
+``tensor_descriptor`` indexing, and the tensor-core chunks whenever checkpoint and ring are bf16, so
+the CPU tests run both chunk paths.
 """
 
 from __future__ import annotations
@@ -26,14 +28,18 @@ from ._validation import DecodeDims
 
 
 class LaunchChoice(NamedTuple):
-    """One launch of the decode kernel: the Helion ``config``, the kernel's ``value_chunk`` constant and
-    ``maxnreg``, a ptxas cap on registers per thread (None: no cap). Helion 1.5.0 accepts ``maxnreg`` in a
-    config only with a persistent grid, so the cap travels beside the config and reaches Triton as a
-    launcher option (:meth:`tp_replayssm.direct_launch.PlanCache.launch`)."""
+    """One launch of the decode kernel: the Helion ``config``, the kernel's ``value_chunk`` constant,
+    ``maxnreg``, a ptxas cap on registers per thread (None: no cap), and ``mma_chunks``, the kernel's
+    ``chunks_on_tensor_cores`` constant (the every-step chunk products as bf16 MMAs on chunks that
+    Triton's software pipeline streams through shared memory; the kernel takes that path only for a bf16
+    checkpoint and bf16 rings). Helion 1.5.0 accepts ``maxnreg`` in a config only with a persistent grid,
+    so the cap travels beside the config and reaches Triton as a launcher option
+    (:meth:`tp_replayssm.direct_launch.PlanCache.launch`)."""
 
     config: helion.Config
     value_chunk: int
     maxnreg: int | None = None
+    mma_chunks: bool = False
 
 
 # Set by benchmarks/tune_decode.py to time a candidate; None in normal use.
@@ -55,26 +61,32 @@ STATE_LOADS = (1, 13, 16)
 
 @functools.lru_cache(maxsize=None)
 def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
-                  evict_state_first: bool = False) -> helion.Config:
+                  evict_state_first: bool = False, chunk_stages: int = 0) -> helion.Config:
     """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
     makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles).
     ``evict_state_first`` loads the checkpoint chunks with ``evict_first`` (each is read once per step;
     the L2 keeps the ring entries and inputs instead). The programs stay batch-major (consecutive
     programs take consecutive rows of one head): head-major order was 14% slower with fp32 state
-    (benchmarks/RESULTS.md, sixth session)."""
+    (benchmarks/RESULTS.md, sixth session). ``chunk_stages`` software-pipelines the append rows' chunk loop
+    (Triton's ``num_stages``: cp.async copies of the next ``chunk_stages - 1`` chunks into shared memory),
+    which only the tensor-core chunk path wants (its loop has no hand prefetch)."""
     extra: dict[str, object] = {}
     if evict_state_first:
         extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
     if programs_per_sm is not None:
         extra.update(pid_type="persistent_interleaved", num_sm_multiplier=programs_per_sm)
+    # range_num_stages, by Helion's loop index: 1 is the append rows' chunk loop, 2 the flush loop (the
+    # flush's replay loop, which only non-bf16 rings have, takes the padding)
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
-                         range_num_stages=[0, 0, 0], **extra)
+                         range_num_stages=[0, chunk_stages, 0], **extra)
 
 
-def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device) -> LaunchChoice:
-    """The pinned launch choice for one call (see the module docstring)."""
-    if device.type != "cuda":
-        return LaunchChoice(launch_config(32, 4), 16)
+def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device,
+                  ring_dtype: torch.dtype = torch.bfloat16) -> LaunchChoice:
+    """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's."""
+    bf16_operands = state_dtype == torch.bfloat16 and ring_dtype == torch.bfloat16  # exact MMA operands
+    if device.type != "cuda":  # the interpreter runs both chunk paths: tensor cores when the operands allow
+        return LaunchChoice(launch_config(32, 4), 16, None, bf16_operands)
     if FORCED is not None:
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
@@ -87,14 +99,26 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
     # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
     # one warp was slower (HV8 B8 6.6 -> 7.2, B = 1 up to 2x). Evict-first checkpoint loads: -1% to -3%
-    # at 4096+ pairs, +12% at 512 (HV32 B16, vt 128); with the tensor-core flush (tenth session) only
-    # for a bf16 checkpoint (HV32 B512 288.8 -> 287.6, HV8 B512 73.1 -> 72.5, HV32 B128 72.7 -> 71.6;
-    # fp32 385.3 -> 387.6, 98.3 -> 99.2, 97.3 -> 98.9).
+    # at 4096+ pairs, +12% at 512 (HV32 B16, vt 128); with the tensor-core flush (tenth session) they
+    # helped a bf16 checkpoint only (HV32 B512 288.8 -> 287.6; fp32 385.3 -> 387.6), and with the
+    # tensor-core chunks (eleventh session) not even that (258.6 against 259.7, HV8 B512 69.3 / 69.0,
+    # HV32 B128 67.9 / 68.0): one-warp programs load without hints.
+    #
+    # A bf16 checkpoint from 1024 pairs up takes the tensor-core chunks (LaunchChoice.mma_chunks): 3 pipeline
+    # stages (2 chunks in flight through shared memory), and from 4096 pairs a cap of 168 registers, which
+    # leaves the every-step path spill-free and fits 12 programs per SM instead of 8 (the flush path
+    # spills). H200, 2026-11-30 (eleventh session), us/step, register chunks -> tensor-core chunks: HV32
+    # B512 286.8 -> 259.7, HV8 B512 72.1 -> 69.0, HV32 B128 71.7 -> 68.0 (uncapped: 275.6, 71.4, 70.6),
+    # HV8 B128 18.6 -> 16.5 (capped: 20.9); HV32 B8 (256 pairs) 8.0 -> 8.7, so smaller grids keep the
+    # register path and its first-chunk prefetch ahead of the ring prologue.
     one_warp = dims.key_dim <= 128
+    mma = maxnreg = None
     if programs_full >= 128 and one_warp:
         vt = 128 if programs_full >= 1024 else 64 if programs_full >= 512 else 32
         chunk, warps = 16, 1
-        evict = programs_full >= 4096 and state_dtype == torch.bfloat16
+        mma = programs_full >= 1024 and bf16_operands
+        if mma and programs_full >= 4096:
+            maxnreg = 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
         evict = True
@@ -107,7 +131,8 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return LaunchChoice(launch_config(vt, warps, evict_state_first=evict), min(chunk, vt))
+    return LaunchChoice(launch_config(vt, warps, evict_state_first=evict, chunk_stages=3 if mma else 0),
+                        min(chunk, vt), maxnreg, bool(mma))
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

@@ -24,6 +24,16 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
    on every path, a serial loop of ``Lb x Vc x K`` FMAs per chunk that cost the flush step about two
    normal steps; on tensor cores the cycle-averaged step is 4-9% faster from B = 128 up and 0.2-0.9 us
    faster at B <= 8 (H200, benchmarks/RESULTS.md, tenth session).
+3. with ``chunks_on_tensor_cores`` (set by ``configs.select_config`` for large grids) and a bf16
+   checkpoint and ring, the append rows' two mat-vec products per chunk are bf16 MMAs instead:
+   ``acc [Vc, 16] = S0 @ A + D^T @ W`` with ``A [K, 16]`` holding ``ak`` and ``aq`` as hi + mid + lo bf16
+   columns and ``W [Lb, 16]`` the same of ``wk``, ``wq`` (``_split3_columns``); ``S' @ k`` and ``S' @ q`` are
+   column sums of ``acc``. That loop has no hand prefetch: Triton's software pipeline (the config's
+   ``range_num_stages``) copies the next chunks with ``cp.async`` straight into shared memory, where the
+   MMAs read them, so the chunks in flight hold no registers; the first chunk's hand-issued loads then
+   belong to the flush branch only. The loop is ~200 SASS instructions per 16-row chunk against ~760 for
+   the register reductions; unpipelined it was slower (eighth session), pipelined and with 12 programs
+   per SM it takes 4-11% off the bf16 steps from 1024 programs up (eleventh session).
 
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
 launch, no second read of the checkpoint, no scratch buffer.
@@ -98,6 +108,20 @@ def _chunk_outputs(S0, d_ring, v_c, ak, aq, wk, wq, beta, kq):  # noqa: ANN001, 
     return delta, spq + delta * kq
 
 
+def _split3_columns(xk, xq, col):  # noqa: ANN001, ANN202 - traced by Helion
+    """``[N, 16]`` bf16 MMA operand from two fp32 columns ``xk, xq [N, 1]`` (``col [1, 16]`` the column
+    index; both come broadcast, as in ``_chunk_outputs``): columns 0, 1, 2 hold ``xk`` split into
+    ``hi + mid + lo`` bf16 parts (``hi = bf16(x)``, ``mid = bf16(x - hi)``, ``lo = bf16(x - hi - mid)``;
+    the sum is ``x`` to ~2^-24 relative), columns 8, 9, 10 the same of ``xq``, the rest zero. ``A @ M``
+    summed over columns 0-7 is then ``A @ xk`` to fp32 accuracy when ``A`` is exact in bf16."""
+    full = torch.where(col < 8, xk, xq)
+    rest1 = full - full.to(torch.bfloat16).to(torch.float32)
+    rest2 = rest1 - rest1.to(torch.bfloat16).to(torch.float32)
+    part = col % 8
+    return torch.where(part == 0, full, torch.where(part == 1, rest1, torch.where(part == 2, rest2, 0.0))).to(
+        torch.bfloat16)
+
+
 def replayssm_decode_kernel(
     q3: torch.Tensor,  # [B, H, K] view into mixed_qkv
     k3: torch.Tensor,  # [B, H, K]
@@ -127,6 +151,7 @@ def replayssm_decode_kernel(
     use_lower_bound: hl.constexpr,
     cursors_by_slot: hl.constexpr,
     tiny_batch: hl.constexpr,
+    chunks_on_tensor_cores: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -136,6 +161,9 @@ def replayssm_decode_kernel(
     group = HV // H
     # the flush's ring product on tensor cores: bf16 rings (exact MMA operands) and tiles of >= 16 x 16
     ring_on_tensor_cores = d_rows.dtype == torch.bfloat16 and value_chunk >= 16 and state_rows.size(1) >= 16
+    # the every-step products on tensor cores too when asked (configs: the streaming regime), for a bf16
+    # checkpoint (exact MMA operand, like the bf16 ring); otherwise fp32 row reductions in registers
+    mma_chunks = chunks_on_tensor_cores and ring_on_tensor_cores and state_rows.dtype == torch.bfloat16
     # Programmatic dependent launch (sm_90+; nothing elsewhere): wait at entry until the previous kernel
     # in the stream has finished and its writes are visible, then let the next PDL kernel launch, so
     # launches overlap the previous kernel's tail (see the module docstring)
@@ -154,7 +182,8 @@ def replayssm_decode_kernel(
             # first value chunk's loads go out now, so their latency overlaps the ring math below
             rows = tv.begin + hl.arange(value_chunk)
             live = rows < tv.end
-            S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+            if not mma_chunks:
+                S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
             if cursors_by_slot:
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
@@ -167,7 +196,8 @@ def replayssm_decode_kernel(
                 ring_mask = j < ring_length
             else:  # load only the live entries (fewer bytes)
                 ring_mask = valid
-            d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
+            if not mma_chunks:
+                d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
             g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
             k_ring = hl.load(k_rows, [s64 * kr_s + h * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
             q, k = _qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
@@ -186,25 +216,48 @@ def replayssm_decode_kernel(
             kq = torch.sum(k * q, dim=0)
             ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
             if append:  # every step but the flush: outputs and the ring append of delta
-                for chunk in hl.grid(tv.begin, tv.end, value_chunk):
-                    rows = chunk + hl.arange(value_chunk)
-                    live = rows < tv.end
-                    S0 = S_next.to(torch.float32)  # [Vc, K]
-                    d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                    after = rows + value_chunk  # prefetch the next chunk (masked after the last)
-                    S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                     extra_mask=(after < tv.end)[:, None])
-                    d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
-                                     extra_mask=valid[:, None] & (after < tv.end)[None, :])
-                    v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                    delta, out = _chunk_outputs(S0, d_ring, v_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
-                    hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
-                    hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
+                if mma_chunks:  # the chunk products on tensor cores (module docstring)
+                    col = hl.arange(16)[None, :]
+                    a_mat = _split3_columns(ak[:, None], aq[:, None], col)  # [K, 16] bf16
+                    w_mat = _split3_columns(wk_col, wq_col, col)  # [Lb, 16] bf16
+                    k_col = col < 8  # columns of the k products
+                    for mchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                        mrows = mchunk + hl.arange(value_chunk)
+                        mlive = mrows < tv.end
+                        mS0 = hl.load(state_rows, [st_base + mrows * st_v, slice(None)], extra_mask=mlive[:, None])
+                        md_ring = hl.load(d_rows, [dr_base + j * dr_l, mrows],
+                                          extra_mask=valid[:, None] & mlive[None, :])  # dead entries load 0
+                        prod = hl.dot(md_ring.T, w_mat, acc=hl.dot(mS0, a_mat))  # [Vc, 16] fp32
+                        mspk = torch.sum(torch.where(k_col, prod, 0.0), dim=1)  # S' @ k
+                        mspq = torch.sum(torch.where(k_col, 0.0, prod), dim=1)  # S' @ q
+                        mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
+                        mdelta = beta * (mv_c - mspk)
+                        hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
+                        hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
+                else:  # row reductions in registers, the next chunk's loads in flight
+                    for chunk in hl.grid(tv.begin, tv.end, value_chunk):
+                        rows = chunk + hl.arange(value_chunk)
+                        live = rows < tv.end
+                        S0 = S_next.to(torch.float32)  # [Vc, K]
+                        d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                        after = rows + value_chunk  # prefetch the next chunk (masked after the last)
+                        S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                         extra_mask=(after < tv.end)[:, None])
+                        d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
+                                         extra_mask=valid[:, None] & (after < tv.end)[None, :])
+                        v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                        delta, out = _chunk_outputs(S0, d_ring, v_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                        hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
+                        hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
                 if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
                     g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
                     if sub == 0:
                         k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
             else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
+                if mma_chunks:  # the first chunk's loads, issued before the prologue on the other path
+                    S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+                    d_next = hl.load(d_rows, [dr_base + j * dr_l, rows],
+                                     extra_mask=ring_mask[:, None] & live[None, :])
                 if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
                     k_flush = kdec * eg[None, :]  # [Lb, K]
                     k_hi = k_flush.to(torch.bfloat16)

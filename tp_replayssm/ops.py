@@ -137,7 +137,8 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    config, value_chunk, maxnreg = select_config(dims, initial_state.dtype, mixed_qkv.device)
+    config, value_chunk, maxnreg, mma_chunks = select_config(dims, initial_state.dtype, mixed_qkv.device,
+                                                             d_cache.dtype)
     tiny = tiny_batch(dims)
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
@@ -145,8 +146,9 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny),
-        inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny), KERNEL_ARG_INPUTS,
+                            cursors_by_slot, tiny, mma_chunks),
+        inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks),
+        KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
         None if maxnreg is None else {"maxnreg": maxnreg})
 
@@ -159,7 +161,7 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 21
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 22
 
 
 def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -167,9 +169,10 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
-                cursors_by_slot: bool = False, tiny: bool = False) -> tuple:
+                cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
-    no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU)."""
+    no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
+    ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`)."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -188,4 +191,4 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     lb = _lower_bound_arg(lower_bound)
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
-            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny)
+            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks)
