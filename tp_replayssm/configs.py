@@ -54,7 +54,8 @@ TINY_BATCH_BELOW = 16
 
 
 # Positions of the checkpoint-chunk loads (the first chunk's, then the prefetches in the append and the
-# flush loops) in Helion's list of the kernel's loads (``load_eviction_policies``); tests/test_configs.py
+# flush loops) in Helion's list of the kernel's loads (``load_eviction_policies``) on the register chunk
+# path, the only one that pins the hint (the 4-warp choices of keys wider than 128); tests/test_configs.py
 # checks them against the generated code of every kernel specialization.
 STATE_LOADS = (1, 13, 16)
 
