@@ -33,9 +33,10 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
-    register cap; ``mma_chunks`` its tensor-core chunk path). Register spills show up as ``stack`` bytes per thread (ptxas's stack frame; the
-    H200's Triton reports the same kernels' ``n_spills`` > 0 exactly when it is nonzero). ``with_sass``
-    adds the disassembly as ``"sass"`` (to see where spill loads and stores sit)."""
+    register cap; ``mma_chunks`` its tensor-core chunk path). Register spills show up as ``stack`` bytes
+    per thread (ptxas's stack frame; the H200's Triton reports the same kernels' ``n_spills`` > 0 exactly
+    when it is nonzero). ``with_sass`` adds the disassembly as ``"sass"`` (to see where spill loads and
+    stores sit)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion

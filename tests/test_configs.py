@@ -27,10 +27,15 @@ def _device_lines(code: str) -> list[str]:
     return [line for line in device.splitlines() if not line.strip().startswith("#")]
 
 
+def _kernel_code(config: helion.Config, **example_args: object) -> str:
+    """Helion's generated module for the decode kernel at ``config`` and
+    ``example_kernel_args(**example_args)``, from a fresh kernel object (bound code is cached per object)."""
+    return helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(
+        example_kernel_args(**example_args)).to_triton_code(config)
+
+
 def _generated_code(config: helion.Config, chunk: int, state_dtype: torch.dtype, by_slot: bool, tiny: bool) -> str:
-    args = example_kernel_args(state_dtype=state_dtype, value_chunk=chunk, cursors_by_slot=by_slot, tiny=tiny)
-    return helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
-        .to_triton_code(config)
+    return _kernel_code(config, state_dtype=state_dtype, value_chunk=chunk, cursors_by_slot=by_slot, tiny=tiny)
 
 
 # (state dtype, cursor per slot, tiny-batch path): every constexpr path once (codegen takes ~7 s a case)
@@ -62,9 +67,7 @@ def test_flush_product_on_tensor_cores_only_for_bf16_rings(state_dtype: torch.dt
     dtype keeps the rank-1 replay loop (a bf16 split of its deltas would round them)."""
     config = configs.launch_config(128, 1)
     for ring_dtype, dots in ((torch.bfloat16, 3), (torch.float32, 0), (torch.float16, 0)):
-        args = example_kernel_args(state_dtype=state_dtype, value_chunk=16, ring_dtype=ring_dtype)
-        code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(args) \
-            .to_triton_code(config)
+        code = _kernel_code(config, state_dtype=state_dtype, value_chunk=16, ring_dtype=ring_dtype)
         assert code.count("tl.dot(") == dots, (ring_dtype, code.count("tl.dot("))
         # k ring loads: the prologue's [Lb, K] tile, plus one row per replayed entry without the MMAs
         assert code.count("tl.load(k_rows") == (1 if dots else 2), (ring_dtype, code.count("tl.load(k_rows"))
@@ -112,10 +115,8 @@ def test_tensor_core_chunks_only_for_bf16_operands(state_dtype: torch.dtype) -> 
     ring keeps the register path."""
     config = configs.launch_config(128, 1, chunk_stages=3)
     for ring_dtype in (torch.bfloat16, torch.float32):
-        plain = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(
-            example_kernel_args(state_dtype=state_dtype, ring_dtype=ring_dtype)).to_triton_code(config)
-        code = helion.kernel(kernel.replayssm_decode_kernel, config=config, **kernel._SETTINGS).bind(
-            example_kernel_args(state_dtype=state_dtype, ring_dtype=ring_dtype, mma_chunks=True)).to_triton_code(config)
+        plain = _kernel_code(config, state_dtype=state_dtype, ring_dtype=ring_dtype)
+        code = _kernel_code(config, state_dtype=state_dtype, ring_dtype=ring_dtype, mma_chunks=True)
         flush_dots = 3 if ring_dtype == torch.bfloat16 else 0
         assert plain.count("tl.dot(") == flush_dots
         taken = state_dtype == ring_dtype == torch.bfloat16
@@ -154,11 +155,10 @@ def test_pdl_waits_before_any_load(capability: tuple[int, int] | None, monkeypat
 
     monkeypatch.setattr(compile_environment, "target_device_capability", lambda device=None: capability)
     decode_config = configs.launch_config(32, 4)
-    decode = helion.kernel(kernel.replayssm_decode_kernel, config=decode_config, **kernel._SETTINGS)
     cached = cursor_kernel.advance_kernel_for(32, 4)  # a fresh kernel object: bound code is cached per object
     advance = helion.kernel(cursor_kernel.cursor_advance_kernel, config=cached.configs[0], **cursor_kernel._SETTINGS)
     cursors, slots = torch.zeros(9, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
-    codes = [_device_code(decode, example_kernel_args(value_chunk=16), decode_config),
+    codes = [_kernel_code(decode_config, value_chunk=16),
              _device_code(advance, (cursors, slots, torch.zeros(4, dtype=torch.int32), 4), advance.configs[0])]
     for code in codes:
         lines = code.splitlines()

@@ -113,7 +113,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # HV8 B128 18.6 -> 16.5 (capped: 20.9); HV32 B8 (256 pairs) 8.0 -> 8.7, so smaller grids keep the
     # register path and its first-chunk prefetch ahead of the ring prologue.
     one_warp = dims.key_dim <= 128
-    mma = maxnreg = None
+    mma, maxnreg = False, None
     if programs_full >= 128 and one_warp:
         vt = 128 if programs_full >= 1024 else 64 if programs_full >= 512 else 32
         chunk, warps = 16, 1
@@ -133,7 +133,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
     return LaunchChoice(launch_config(vt, warps, evict_state_first=evict, chunk_stages=3 if mma else 0),
-                        min(chunk, vt), maxnreg, bool(mma))
+                        min(chunk, vt), maxnreg, mma)
 
 
 def tiny_batch(dims: DecodeDims) -> bool:
