@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""PNG plots from bench_decode's results: us/step vs batch and % of the byte floor vs batch.
+"""PNG plots and a Markdown table from bench_decode's results: us/step and % of the byte floor vs batch.
 
 One line per (heads, state dtype): ours solid, FLA packed dashed, same colour. One pair of figures per
 (ring length L, lower_bound) present in the results::
 
     python3 benchmarks/plot_results.py benchmarks/out/bench_decode.json [more.json ...] [--out DIR]
+    python3 benchmarks/plot_results.py part1.json part2.json --table table.md --no-plots
 
-(A CSV written by bench_decode works too.) Needs matplotlib; uses the Agg backend (no display).
+Several files (a sweep run in parts) are merged in the order given: a timed row of a later file replaces
+the row of the same shape from an earlier one (a re-run after a change), a row the earlier file skipped
+(time budget) is filled in, and an untimed row never replaces a timed one. (A CSV written by
+bench_decode works too.) The plots need matplotlib (Agg backend, no display); the table does not.
 """
 
 from __future__ import annotations
@@ -58,9 +62,56 @@ def _lb_key(v: Any) -> str:
     return "none" if v is None else f"{float(v):g}"
 
 
-def make_plots(results_path: str | Path | list[str | Path], out: str | Path | None = None) -> list[Path]:
-    """Write the PNGs next to the (first) results file (or into ``out``); return their paths.
-    Several results files (e.g. a sweep run in two parts) are merged."""
+SHAPE_KEYS = ("H", "HV", "K", "V", "B", "L", "state", "cache", "act", "lower_bound")
+
+
+def shape_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two rows the same benchmark shape (the lower bound normalized: None / -5 / -5.0)."""
+    return tuple(_lb_key(row.get(k)) if k == "lower_bound" else row.get(k) for k in SHAPE_KEYS)
+
+
+def merge_results(paths: list[str | Path]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The rows of several results files, merged in the order given (module docstring), in first-seen
+    order of their shapes, and the first file's meta."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    meta: dict[str, Any] = {}
+    for path in paths:
+        rows, m = load_results(path)
+        meta = meta or m
+        for r in rows:
+            key = shape_key(r)
+            if key not in merged or _ok(r.get("ours_us")) or not _ok(merged[key].get("ours_us")):
+                merged[key] = r
+    return list(merged.values()), meta
+
+
+def _cell(v: Any, spec: str) -> str:
+    return format(v, spec) if _ok(v) else "-"
+
+
+def table_markdown(rows: list[dict[str, Any]]) -> str:
+    """One Markdown row per shape, grouped by (L, lower_bound), heads descending, then state, batch."""
+    head = ("| L | lb | heads | state | B | ours us | op us | % floor | FLA us | xFLA | check |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    order = sorted(rows, key=lambda r: (int(r["L"]), _lb_key(r.get("lower_bound")), -int(r["HV"]), -int(r["H"]),
+                                       str(r["state"]), -int(r["B"])))
+    for r in order:
+        heads = str(r["HV"]) if r["H"] == r["HV"] else f"{r['H']}x{r['HV']}"
+        speedup = r["fla_us"] / r["ours_us"] if _ok(r.get("fla_us")) and _ok(r.get("ours_us")) else None
+        check = r.get("ours_check") or ("skipped" if r.get("skipped") else "-")
+        lines.append(f"| {r['L']} | {_lb_key(r.get('lower_bound'))} | {heads} | {r['state']} | {r['B']} | "
+                     f"{_cell(r.get('ours_us'), '.1f')} | {_cell(r.get('ours_op_us'), '.1f')} | "
+                     f"{_cell(r.get('ours_pct_floor'), '.0f')} | {_cell(r.get('fla_us'), '.1f')} | "
+                     f"{_cell(speedup, '.2f')} | {check} |")
+    return "\n".join(lines) + "\n"
+
+
+def make_plots(results_path: str | Path | list[str | Path], out: str | Path | None = None,
+               stem: str | None = None) -> list[Path]:
+    """Write the PNGs next to the (first) results file (or into ``out``), their names starting with ``stem``
+    (default: the first file's name); return their paths.
+    Several results files (e.g. a sweep run in parts) are merged (:func:`merge_results`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,14 +119,10 @@ def make_plots(results_path: str | Path | list[str | Path], out: str | Path | No
     from matplotlib.lines import Line2D
 
     paths = [Path(p) for p in (results_path if isinstance(results_path, (list, tuple)) else [results_path])]
-    rows, meta = [], {}
-    for path in paths:
-        more, m = load_results(path)
-        rows += more
-        meta = meta or m
+    rows, meta = merge_results(paths)
     out_dir = Path(out) if out else paths[0].resolve().parent
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = paths[0].stem
+    stem = stem or paths[0].stem
     groups: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         if r.get("B") is None or r.get("L") is None:
@@ -146,9 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="bench_decode .json or .csv (several are merged)")
     p.add_argument("--out", help="output folder (default: next to the results)")
+    p.add_argument("--stem", help="start of the PNG names (default: the first results file's name)")
+    p.add_argument("--table", help="also write the merged rows as a Markdown table to this file")
+    p.add_argument("--no-plots", action="store_true", help="only the table")
     args = p.parse_args(argv)
+    if args.table:
+        Path(args.table).write_text(table_markdown(merge_results(args.results)[0]))
+        print(args.table, flush=True)
+    if args.no_plots:
+        return 0
     try:
-        paths = make_plots(args.results, args.out)
+        paths = make_plots(args.results, args.out, args.stem)
     except ImportError as exc:
         print(f"plot_results: matplotlib is needed ({exc})", flush=True)
         return 2

@@ -10,7 +10,7 @@ LOG="$OUT/multigpu.log"
 step() { echo "== $(date +%T) $*" | tee -a "$LOG"; }
 nvidia-smi topo -m 2>&1 | head -4 | tee -a "$LOG"
 step "two-GPU tests"
-timeout "${MULTI_TIMEOUT:-220}" python3 -m pytest -q -p no:cacheprovider -m multigpu -rA tests/test_multigpu.py \
+timeout "${MULTI_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider -m multigpu -rA tests/test_multigpu.py \
   tests/test_op_gpu.py tests/test_cursor_kernel.py >> "$LOG" 2>&1
 echo "rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|passed|failed" "$LOG" | tail -14
 step "launcher, 2 NCCL ranks, kimi-linear 20 layers"

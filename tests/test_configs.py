@@ -90,21 +90,46 @@ def test_only_wide_keys_pin_the_eviction_policy() -> None:
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's choice is unchanged
 
 
+# (batch, value heads) -> whether the tensor-core grid (one program per pair) is capped at 168 registers:
+# where 12 programs per SM take fewer waves of the H200's 132 SMs than 8 do (1056 / 1584 programs a wave)
+CAPPED_GRIDS = {(512, 32): True, (512, 12): True, (512, 8): True, (128, 32): True, (128, 16): False,
+                (128, 12): True, (128, 8): False, (32, 32): False}
+
+
 def test_tensor_core_chunks_regime() -> None:
     """The tensor-core chunk path (``mma_chunks``) from 1024 (row, head) pairs up, only when the checkpoint
-    and the d ring are both bf16 (exact MMA operands), with its loop software-pipelined (3 stages) and,
-    from 4096 pairs, a 168-register cap; every other choice keeps unpipelined loops and no cap."""
+    and the d ring are both bf16 (exact MMA operands), with its loop software-pipelined (3 stages) and a
+    168-register cap where it saves a wave; every other choice keeps unpipelined loops and no cap."""
     dev = torch.device("cuda", 0)
-    for batch, heads in ((512, 32), (512, 8), (128, 32), (128, 8), (32, 32), (64, 8), (16, 32), (8, 32), (1, 8)):
+    small = ((32, 12), (64, 8), (16, 32), (8, 32), (1, 8))
+    for batch, heads in [*CAPPED_GRIDS, *small]:
         dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
         for state, ring in itertools.product((torch.float32, torch.bfloat16), (torch.float32, torch.bfloat16)):
             choice = configs.select_config(dims, state, dev, ring)
             mma = state == ring == torch.bfloat16 and batch * heads >= 1024
             assert choice.mma_chunks == mma, (batch, heads, state, ring)
             assert choice.config.config["range_num_stages"] == [0, 3 if mma else 0, 0]
-            assert choice.maxnreg == (168 if mma and batch * heads >= 4096 else None)
+            assert choice.maxnreg == (168 if mma and CAPPED_GRIDS[batch, heads] else None), (batch, heads)
     wide = configs.select_config(DecodeDims(512, 32, 32, 256, 128, 16, 512), torch.bfloat16, dev)
     assert not wide.mma_chunks and wide.maxnreg is None
+
+
+def test_grid_rules_count_waves_of_the_devices_sms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Value tile and register cap follow the device's multiprocessor count. With the H200's 132 SMs (one
+    wave: 1056 uncapped one-warp programs, 1584 capped) 256 pairs take vt 32 and 2048 tensor-core programs
+    no cap (two waves either way); with 66 SMs (528 / 792) vt 32 would make two waves, so 256 pairs take vt
+    64, and 2048 programs take the cap (3 waves instead of 4). 1536 programs are capped on both."""
+    dev = torch.device("cuda", 0)
+    if not torch.cuda.is_available():
+        assert configs._sm_count(dev) == 132  # the H200's, where no GPU answers
+
+    def choice(batch: int, heads: int, state: torch.dtype = torch.bfloat16) -> tuple[int, int | None]:
+        c = configs.select_config(DecodeDims(batch, heads, heads, 128, 128, 16, batch), state, dev)
+        return c.config.config["block_sizes"][0], c.maxnreg
+
+    for sms, expected in ((132, [(32, None), (128, None), (128, 168)]), (66, [(64, None), (128, 168), (128, 168)])):
+        monkeypatch.setattr(configs, "_sm_count", lambda device, n=sms: n)
+        assert [choice(32, 8, torch.float32), choice(128, 16), choice(128, 12)] == expected, sms
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])

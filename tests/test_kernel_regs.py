@@ -9,8 +9,8 @@ one-warp choices (128+ row-head pairs) run at 223-255 registers by design: their
 under the limit (32 rows spill), so the lower-bound gate path is checked too. Since the tenth session
 their flush loop (tensor-core ring product) spills a few registers (16 B of stack); the every-step path,
 which ptxas lays out first (up to the first ``EXIT``), must have no spill load or store. Since the
-eleventh session a bf16 checkpoint from 4096 pairs up runs the tensor-core chunks under a 168-register
-cap (12 programs per SM), and the flush path spills more. Compiled with the H200's triton 3.6
+eleventh session a bf16 checkpoint on large grids (here 4096 pairs) runs the tensor-core chunks under a
+168-register cap (12 programs per SM), and the flush path spills more. Compiled with the H200's triton 3.6
 (``kernel_regs.py`` with that wheel on ``PYTHONPATH``) its every-step path has no spill load and its chunk
 loop no spill at all (160 B of stack, 9 spill stores ahead of the loop); this machine's triton 3.9
 allocates differently (224 B, 2 spill operations in the loop), so for the capped choice the test bounds

@@ -50,7 +50,8 @@ def test_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("B,HV", [(256, 8), (128, 32)], ids=["uncapped", "capped"])
 def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     """A bf16 checkpoint with bf16 rings at 1024+ (row, head) pairs takes the tensor-core chunks (under a
-    register cap from 4096); with fp32 activations ``out`` must still match the reference to 2e-5."""
+    register cap where it saves a wave: 4096 pairs, not 2048); with fp32 activations ``out`` must still match
+    the reference to 2e-5."""
     from tp_replayssm import configs
     from tp_replayssm._validation import DecodeDims
 

@@ -141,3 +141,39 @@ def test_kernel_variant_that_no_longer_fits_is_refused() -> None:
         variants.source("no_such_variant")
     with pytest.raises(ValueError, match="found it 0 times"):
         variants.source("replay_flush", kernel_source='"""doc"""\ndef replayssm_decode_kernel():\n    pass\n')
+
+
+def _bench_row(B: int, ours_us: float | None, **extra: object) -> dict[str, object]:
+    row: dict[str, object] = dict(H=8, HV=8, K=128, V=128, B=B, L=16, state="bf16", cache="bf16", act="bf16",
+                                  lower_bound=None, ours_us=ours_us, ours_op_us=ours_us, ours_pct_floor=60.0,
+                                  fla_us=10.0, ours_check="ok" if ours_us else None)
+    row.update(extra)
+    return row
+
+
+def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
+    """A sweep run in parts: a later file's timed row replaces the same shape's earlier row (a re-run after a
+    change) and fills in a row the earlier part skipped; an untimed (skipped) row never replaces a timed
+    one; the lower bound -5 and -5.0 are one shape. The Markdown table has one line per shape."""
+    import json
+
+    import plot_results
+
+    first = tmp_path / "a.json"
+    second = tmp_path / "b.json"
+    first.write_text(json.dumps({"meta": {"gpu": "X"}, "results": [
+        _bench_row(32, 9.0), _bench_row(128, 20.0), _bench_row(512, None, skipped="time budget"),
+        _bench_row(8, 5.0, lower_bound=-5)]}))
+    second.write_text(json.dumps({"meta": {}, "results": [
+        _bench_row(128, 17.0), _bench_row(512, 70.0), _bench_row(32, None, skipped="time budget"),
+        _bench_row(8, 4.0, lower_bound=-5.0)]}))
+    rows, meta = plot_results.merge_results([first, second])
+    assert meta == {"gpu": "X"}
+    assert {(r["B"], plot_results._lb_key(r["lower_bound"])): r["ours_us"] for r in rows} == {
+        (32, "none"): 9.0, (128, "none"): 17.0, (512, "none"): 70.0, (8, "-5"): 4.0}
+    table = plot_results.table_markdown(rows).splitlines()
+    assert len(table) == 2 + 4
+    assert table[-1] == "| 16 | none | 8 | bf16 | 32 | 9.0 | 9.0 | 60 | 10.0 | 1.11 | ok |"
+    out = tmp_path / "t.md"
+    assert plot_results.main([str(first), str(second), "--table", str(out), "--no-plots"]) == 0
+    assert out.read_text().splitlines() == table

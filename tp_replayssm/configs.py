@@ -7,7 +7,9 @@ rows of the checkpoint the program's inner loops hold at a time (``[vc, K]``, wi
 loads already in flight). Only the tensor-core chunk loop is software-pipelined (3 stages); the others
 are not (``range_num_stages`` 0): the flush rows' ring-replay loop, which only non-bf16 rings still run,
 was pipelined with two stages until the tenth session; one stage measured the same or faster (up to
-4.6% at B = 8) on the kernel of that time. GPU choices come from sweeps on an H200
+4.6% at B = 8) on the kernel of that time. Grid sizes are weighed in waves: how many rounds of resident
+programs (8 one-warp programs per SM, 12 under the register cap) the device's SMs need for the grid.
+GPU choices come from sweeps on an H200
 (``benchmarks/tune_decode.py``; ``benchmarks/RESULTS.md``). Every call gets the same Config object for
 the same choice (the op caches compiled kernels by config identity). The CPU choice serves the Triton
 interpreter (``TRITON_INTERPRET=1``): pointer indexing, because the interpreter cannot run
@@ -82,6 +84,46 @@ def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
                          range_num_stages=[0, chunk_stages, 0], **extra)
 
 
+# Resident one-warp programs per SM on the H200: 8 uncapped (~246-255 registers a thread), 12 under the
+# 168-register cap (benchmarks/RESULTS.md, eleventh session).
+PROGRAMS_PER_SM = 8
+CAPPED_PROGRAMS_PER_SM = 12
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (132, the H200's, where CUDA is absent: tests of the GPU choices)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _waves(programs: int, per_sm: int, sms: int) -> int:
+    return -(-programs // (per_sm * sms))
+
+
+def _one_wave_value_tile(pairs: int, value_dim: int, sms: int) -> int:
+    """The one-warp programs' value tile: the narrowest of 32 / 64 / 128 whose grid (``pairs`` programs per
+    value tile) still fits one wave of ``PROGRAMS_PER_SM`` per SM, else 128: as many programs in flight as
+    fit, and no second, partial wave. H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32
+    (1536 programs) fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16
+    B32 (512 pairs) vt 64 13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The
+    rule keeps the earlier choices at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
+    for vt in (32, 64):
+        if pairs * -(-value_dim // vt) <= PROGRAMS_PER_SM * sms:
+            return vt
+    return 128
+
+
+def _capped_waves_fewer(programs: int, sms: int) -> bool:
+    """Whether the 168-register cap (12 programs per SM instead of 8) runs the tensor-core grid in fewer
+    waves. H200 (132 SMs), us/step uncapped / capped, with the waves uncapped / capped: 1024 programs (1 / 1)
+    HV8 B128 16.5 / 20.9; 1536 (2 / 1) HV12 B128 33.46 / 26.17; 2048 (2 / 2) HV16 B128 36.58 / 39.36
+    (twelfth session); 4096 (4 / 3) HV8 B512 71.4 / 69.0, HV32 B128 70.6 / 68.0; 16384 (16 / 11) HV32 B512
+    275.6 / 259.7 (eleventh session)."""
+    return _waves(programs, CAPPED_PROGRAMS_PER_SM, sms) < _waves(programs, PROGRAMS_PER_SM, sms)
+
+
 def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device,
                   ring_dtype: torch.dtype = torch.bfloat16) -> LaunchChoice:
     """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's."""
@@ -95,8 +137,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # One warp per program from 128 (row, head) pairs up: no cross-warp reductions or scans, and 8 KiB
     # fp32 chunks in flight per warp. A [16, K] fp32 tile is 64 registers per thread at K = 128 (~255 in
     # all, 8 programs per SM; only the flush loop spills, 16 B), so wider keys keep the 4-warp programs.
-    # The value tile is the widest of 128 / 64 / 32 that still makes >= 1024 programs (about one full
-    # wave of 132 SMs x 8). H200, 2026-11-30 (seventh session), us/step against the
+    # The value tile: see _one_wave_value_tile. H200, 2026-11-30 (seventh session), us/step against the
     # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
     # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
     # one warp was slower (HV8 B8 6.6 -> 7.2, B = 1 up to 2x). Evict-first checkpoint loads: -1% to -3%
@@ -106,19 +147,19 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # HV32 B128 67.9 / 68.0): one-warp programs load without hints.
     #
     # A bf16 checkpoint from 1024 pairs up takes the tensor-core chunks (LaunchChoice.mma_chunks): 3 pipeline
-    # stages (2 chunks in flight through shared memory), and from 4096 pairs a cap of 168 registers, which
-    # leaves the every-step path spill-free and fits 12 programs per SM instead of 8 (the flush path
-    # spills). H200, 2026-11-30 (eleventh session), us/step, register chunks -> tensor-core chunks: HV32
-    # B512 286.8 -> 259.7, HV8 B512 72.1 -> 69.0, HV32 B128 71.7 -> 68.0 (uncapped: 275.6, 71.4, 70.6),
-    # HV8 B128 18.6 -> 16.5 (capped: 20.9); HV32 B8 (256 pairs) 8.0 -> 8.7, so smaller grids keep the
-    # register path and its first-chunk prefetch ahead of the ring prologue.
+    # stages (2 chunks in flight through shared memory), and a cap of 168 registers where it saves a wave
+    # (_capped_waves_fewer): the cap leaves the every-step path spill-free and fits 12 programs per SM
+    # instead of 8 (the flush path spills). H200, 2026-11-30 (eleventh session), us/step, register chunks
+    # -> tensor-core chunks: HV32 B512 286.8 -> 259.7, HV8 B512 72.1 -> 69.0, HV32 B128 71.7 -> 68.0
+    # (uncapped: 275.6, 71.4, 70.6), HV8 B128 18.6 -> 16.5 (capped: 20.9); HV32 B8 (256 pairs) 8.0 -> 8.7,
+    # so smaller grids keep the register path and its first-chunk prefetch ahead of the ring prologue.
     one_warp = dims.key_dim <= 128
     mma, maxnreg = False, None
     if programs_full >= 128 and one_warp:
-        vt = 128 if programs_full >= 1024 else 64 if programs_full >= 512 else 32
         chunk, warps = 16, 1
+        vt = _one_wave_value_tile(programs_full, dims.value_dim, _sm_count(device))
         mma = programs_full >= 1024 and bf16_operands
-        if mma and programs_full >= 4096:
+        if mma and _capped_waves_fewer(programs_full * -(-dims.value_dim // vt), _sm_count(device)):
             maxnreg = 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
