@@ -38,18 +38,16 @@ Run on the device (from the repository root)::
     python3 benchmarks/bench_decode.py --dry-run                         # the plan + byte floors, any machine
 
 Results: ``$OUT/bench_decode.{json,csv}`` (else ``benchmarks/out/``) and, with matplotlib, the plots
-of ``benchmarks/plot_results.py``. The compact table is printed last.
+of ``benchmarks/plot_results.py``. The compact table is printed last. The shape plans live in
+``bench_plan.py``, the buffers, step closures and checks in ``bench_steps.py``, the table, files and dry
+run in ``bench_report.py``; this file times them.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import dataclasses
 import datetime
 import importlib
-import json
-import math
 import os
 import platform
 import statistics
@@ -57,14 +55,14 @@ import subprocess
 import sys
 import time
 import traceback
-import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "benchmarks"):  # the package, and the bench_* modules beside this file
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 if __name__ == "__main__" and "--allow-autotune" not in sys.argv[1:]:
     # before anything imports helion: an unpinned kernel compiles its default config instead of
@@ -73,7 +71,10 @@ if __name__ == "__main__" and "--allow-autotune" not in sys.argv[1:]:
 
 import torch  # noqa: E402
 
-from tp_replayssm.byte_model import DecodeConfig, floor_us, packed_bytes, replay_bytes  # noqa: E402
+from bench_plan import Shape, build_plan  # noqa: E402
+from bench_report import COLUMN_HELP, dry_run, log, table_lines, write_outputs  # noqa: E402
+from bench_steps import Buffers, check_fla, check_replay, fla_steps, replay_steps, run_steps  # noqa: E402
+from tp_replayssm.byte_model import floor_us, packed_bytes, replay_bytes  # noqa: E402
 
 try:  # the cursor-advance kernel; Triton is optional (torch ops fall back)
     import triton
@@ -93,139 +94,11 @@ if triton is not None:
         tl.store(cursor_ptr + offs, c, mask=mask)
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ALL_B = (1, 8, 32, 128, 512)
 OURS_SPEC = "tp_replayssm.ops:replayssm_decode"
 FLA_SPEC = "fla.ops.kda.fused_recurrent:fused_recurrent_kda_fwd"
 FLA_NOTE = ("FLA 0.6.0 fused_recurrent_kda_fwd(inplace_final_state=True, state_v_first=True, "
             "ssm_state_indices, use_gate_in_kernel, use_beta_sigmoid_in_kernel, use_qk_l2norm_in_kernel "
             "as ours, lower_bound as ours); q/k/v pre-split into contiguous tensors outside the timed region")
-
-
-def log(*args: object) -> None:
-    print(*args, flush=True)
-
-
-# ----------------------------------------------------------------------------------------------
-# shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    H: int
-    HV: int
-    B: int
-    L: int
-    state: str  # "fp32" | "bf16"
-    lb: float | None
-    K: int = 128
-    V: int = 128
-
-    @property
-    def label(self) -> str:
-        heads = f"{self.HV}" if self.H == self.HV else f"{self.H}x{self.HV}"
-        lb = "" if self.lb is None else f" lb{self.lb:g}"
-        return f"HV{heads} B{self.B} L{self.L} {self.state}{lb}"
-
-    def config(self, cache: str, act: str) -> DecodeConfig:
-        return DecodeConfig(self.B, self.H, self.HV, key_dim=self.K, value_dim=self.V, ring_length=self.L,
-                            state_dtype=self.state, cache_dtype=cache, act_dtype=act, lower_bound=self.lb)
-
-
-def _dedupe(shapes: list[Shape]) -> list[Shape]:
-    seen: set[Shape] = set()
-    out = []
-    for s in shapes:
-        if s not in seen:
-            seen.add(s)
-            out.append(s)
-    return out
-
-
-def _grid(heads: Sequence[tuple[int, int]], batches: Sequence[int], rings: Sequence[int],
-          states: Sequence[str], lbs: Sequence[float | None], K: int = 128, V: int = 128) -> list[Shape]:
-    return [Shape(H, HV, B, L, st, lb, K, V)
-            for (H, HV) in heads for L in rings for lb in lbs for st in states for B in batches]
-
-
-def default_plan() -> list[Shape]:
-    """The issue's sweep, cut: full B sweep where it matters most, spot checks elsewhere (priority order)."""
-    both = ("fp32", "bf16")
-    shapes = []
-    shapes += _grid([(32, 32), (8, 8)], ALL_B, (16,), both, (None,))  # 20: TP1 / TP4 of Kimi-Linear
-    shapes += _grid([(16, 16), (12, 12), (4, 4)], (1, 8, 128, 512), (16,), both, (None,))  # 24
-    shapes += _grid([(16, 32)], (8, 128, 512), (16,), both, (None,))  # 6: GQA HV = 2H
-    shapes += _grid([(32, 32), (8, 8)], (8, 512), (16,), both, (-5.0,))  # 8: bounded gate
-    shapes += _grid([(32, 32), (8, 8)], (1, 128, 512), (8,), both, (None,))  # 12: L = 8
-    return _dedupe(shapes)
-
-
-def quick_plan() -> list[Shape]:
-    return [
-        Shape(32, 32, 512, 16, "fp32", None),
-        Shape(32, 32, 512, 16, "bf16", None),
-        Shape(8, 8, 512, 16, "fp32", None),
-        Shape(8, 8, 512, 16, "bf16", None),
-        Shape(32, 32, 128, 16, "fp32", None),  # issue 5's floor target starts at B = 128
-        Shape(8, 8, 1, 16, "fp32", None),
-        Shape(32, 32, 8, 16, "fp32", None),
-        Shape(16, 32, 128, 16, "bf16", -5.0),
-    ]
-
-
-def _parse_heads(text: str) -> list[tuple[int, int]]:
-    out = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        if "x" in item:
-            h, hv = item.split("x", 1)
-            out.append((int(h), int(hv)))
-        else:
-            out.append((int(item), int(item)))
-    return out
-
-
-def _parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _parse_lbs(text: str) -> list[float | None]:
-    out: list[float | None] = []
-    for x in text.split(","):
-        x = x.strip().lower()
-        if x in ("none", "no", "-", ""):
-            out.append(None)
-        else:
-            out.append(float(x))
-    return out
-
-
-def build_plan(args: argparse.Namespace) -> list[Shape]:
-    grid_flags = (args.heads, args.batch, args.state, args.ring, args.lower_bound)
-    if any(f is not None for f in grid_flags):
-        shapes = _grid(
-            _parse_heads(args.heads or "32,8"),
-            _parse_ints(args.batch or ",".join(map(str, ALL_B))),
-            _parse_ints(args.ring or "16"),
-            [s.strip() for s in (args.state or "fp32,bf16").split(",") if s.strip()],
-            _parse_lbs(args.lower_bound or "none"),
-            args.key_dim, args.value_dim,
-        )
-    elif args.quick:
-        shapes = quick_plan()
-    else:
-        shapes = default_plan()
-    for s in shapes:
-        if s.state not in DTYPES:
-            raise SystemExit(f"bench_decode: unknown state dtype {s.state!r}; use fp32 or bf16")
-        if s.HV % s.H:
-            raise SystemExit(f"bench_decode: HV % H must be 0; got H={s.H}, HV={s.HV}")
-    shapes = shapes[args.start_at:]
-    if args.max_shapes:
-        shapes = shapes[: args.max_shapes]
-    return _dedupe(shapes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,17 +168,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.budget_s:
         args.budget_s = 80.0 if args.quick else 400.0
     return args
-
-
-def out_dir(args: argparse.Namespace) -> Path:
-    if args.out:
-        d = Path(args.out)
-    elif os.environ.get("OUT"):
-        d = Path(os.environ["OUT"])
-    else:
-        d = REPO / "benchmarks" / "out"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -439,254 +301,6 @@ def time_eager(cycle: list[tuple[Callable[[], None], Callable[[], None] | None]]
     out = _stats_us(ms, len(cycle))
     out["host_us"] = host[0] / max(host[1], 1) * 1e6
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# buffers
-
-
-class Buffers:
-    """A pool-like set of random tensors for one shape, split into ``n_sets`` disjoint slot sets."""
-
-    def __init__(self, shape: Shape, args: argparse.Namespace, device: torch.device, l2_bytes: int,
-                 need_fla: bool):
-        H, HV, K, V, L, B = shape.H, shape.HV, shape.K, shape.V, shape.L, shape.B
-        self.shape = shape
-        sdt, cdt, adt = DTYPES[shape.state], DTYPES[args.cache_dtype], DTYPES[args.act_dtype]
-        self.sdt, self.cdt, self.adt = sdt, cdt, adt
-        sb, cb, ab = sdt.itemsize, cdt.itemsize, adt.itemsize
-        gen = torch.Generator(device=device)
-        gen.manual_seed(args.seed * 1000003 + zlib.crc32(shape.label.encode()))
-        self.gen = gen
-
-        per_set = B * (HV * V * K * sb + HV * L * V * cb + H * L * K * cb + HV * L * K * 4)
-        target = args.footprint_mb * 2**20 if args.footprint_mb > 0 else 4 * l2_bytes
-        max_sets = max(1, args.max_graph_steps // L)
-        self.n_sets = int(max(1, min(math.ceil(target / per_set), max_sets)))
-        self.S = self.n_sets * B
-        self.n_steps = self.n_sets * L
-        width = 2 * H * K + HV * V
-        per_input = B * (width * ab + HV * K * ab + HV * ab + HV * V * ab)  # mixed, a, b, out
-        if need_fla:
-            per_input += B * (width * ab + HV * V * ab)  # q/k/v copies, FLA's out
-        self.n_in = int(max(1, min(self.n_steps, args.max_input_mb * 2**20 // per_input)))
-        self.footprint = per_set * self.n_sets + per_input * self.n_in
-
-        S = self.S
-        perm = torch.randperm(S, device=device, generator=gen).to(torch.int32)
-        self.slots = [perm[i * B:(i + 1) * B].contiguous() for i in range(self.n_sets)]
-        self.state = torch.randn(S, HV, V, K, device=device, dtype=sdt, generator=gen).mul_(0.05)
-        self.d = torch.randn(S, HV, L, V, device=device, dtype=cdt, generator=gen).mul_(0.5)
-        k = torch.randn(S, H, L, K, device=device, dtype=torch.float32, generator=gen)
-        self.k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)).to(cdt)
-        del k
-        self.g = torch.rand(S, HV, L, K, device=device, dtype=torch.float32, generator=gen).mul_(-0.2).sub_(0.01)
-        self.A_log = torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen)
-        self.dt_bias = torch.empty(HV * K, device=device).uniform_(-4.0, 0.0, generator=gen)
-
-        base = (torch.arange(B, device=device, dtype=torch.int32) % L) if args.phase == "stagger" \
-            else torch.zeros(B, device=device, dtype=torch.int32)
-        self.base = base
-        self.cursors = [base.clone() for _ in range(self.n_sets)]  # row-indexed cursor per slot set
-        self.wp_const = [((base + t) % L).to(torch.int32).contiguous() for t in range(L)]
-        # the pool's cursor table [S + 1] (entry S: padding rows' scratch), for --advance pool
-        self.cursor_table = torch.zeros(S + 1, device=device, dtype=torch.int32)
-        for slots in self.slots:
-            self.cursor_table[slots.long()] = base
-
-        self.mixed, self.a, self.b, self.out = [], [], [], []
-        self.q4, self.k4, self.v4, self.out_fla = [], [], [], []
-        for _ in range(self.n_in):
-            mixed = torch.randn(B, width, device=device, dtype=adt, generator=gen)
-            self.mixed.append(mixed)
-            self.a.append(torch.randn(B, HV * K, device=device, dtype=adt, generator=gen))
-            self.b.append(torch.randn(B, HV, device=device, dtype=adt, generator=gen))
-            self.out.append(torch.zeros(B, 1, HV, V, device=device, dtype=adt))
-            if need_fla:
-                q4, k4, v4 = split_qkv(mixed, H, HV, K, V)
-                self.q4.append(q4)
-                self.k4.append(k4)
-                self.v4.append(v4)
-                self.out_fla.append(torch.zeros(B, 1, HV, V, device=device, dtype=adt))
-
-    def input_index(self, set_idx: int, t: int) -> int:
-        return (set_idx * self.shape.L + t) % self.n_in
-
-
-def split_qkv(mixed: torch.Tensor, H: int, HV: int, K: int, V: int):
-    """``mixed_qkv [B, 2HK+HV*V]`` -> contiguous ``q, k [B, 1, H, K]``, ``v [B, 1, HV, V]`` (FLA's layout)."""
-    B = mixed.shape[0]
-    q = mixed[:, : H * K].contiguous().view(B, 1, H, K)
-    k = mixed[:, H * K: 2 * H * K].contiguous().view(B, 1, H, K)
-    v = mixed[:, 2 * H * K:].contiguous().view(B, 1, HV, V)
-    return q, k, v
-
-
-# ----------------------------------------------------------------------------------------------
-# step closures
-
-
-StepList = list[tuple[Callable[[], None], Callable[[], None] | None]]
-
-
-def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
-                 advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None,
-                 pool: bool = False) -> StepList:
-    """One full cursor cycle per slot set. With ``advance`` the cursors advance in place after every
-    step; without it each step reads a constant ``write_pos`` tensor holding the same phase. With
-    ``pool`` (``op`` is ours) the step is the pool's: :func:`tp_replayssm.ops.decode_with_cursor_table`
-    on ``buf.cursor_table``, then :func:`tp_replayssm.cursor_kernel.advance` of that table."""
-    steps: StepList = []
-    if pool:
-        from tp_replayssm import cursor_kernel, ops
-    for si in (range(buf.n_sets) if sets is None else sets):
-        for t in range(shape.L):
-            j = buf.input_index(si, t)
-            if pool and advance is not None:
-                def step(j=j, si=si) -> None:
-                    ops.decode_with_cursor_table(
-                        buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
-                        buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, use_qk_l2norm_in_kernel=l2norm,
-                        lower_bound=shape.lb)
-
-                def adv(si=si) -> None:
-                    cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)
-                steps.append((step, adv))
-                continue
-
-            wp = buf.cursors[si] if advance is not None else buf.wp_const[t]
-
-            def step(j=j, si=si, wp=wp) -> None:
-                op(buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
-                   buf.g, buf.out[j], buf.slots[si], wp, None, use_qk_l2norm_in_kernel=l2norm,
-                   lower_bound=shape.lb)
-
-            adv = None
-            if advance is not None:
-                def adv(c=buf.cursors[si]) -> None:
-                    advance(c)
-            steps.append((step, adv))
-    return steps
-
-
-def fla_steps(fla: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
-              sets: Sequence[int] | None = None) -> StepList:
-    B, HV, K = shape.B, shape.HV, shape.K
-    steps: StepList = []
-    for si in (range(buf.n_sets) if sets is None else sets):
-        for t in range(shape.L):
-            j = buf.input_index(si, t)
-
-            def step(j=j, si=si) -> None:
-                fla(q=buf.q4[j], k=buf.k4[j], v=buf.v4[j], g=buf.a[j].view(B, 1, HV, K),
-                    beta=buf.b[j].view(B, 1, HV), A_log=buf.A_log, dt_bias=buf.dt_bias,
-                    initial_state=buf.state, scale=None, output_final_state=False, inplace_final_state=True,
-                    state_v_first=True, ssm_state_indices=buf.slots[si], use_qk_l2norm_in_kernel=l2norm,
-                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=shape.lb,
-                    out=buf.out_fla[j])
-            steps.append((step, None))
-    return steps
-
-
-def run_steps(steps: StepList) -> Callable[[], None]:
-    def fn() -> None:
-        for op, adv in steps:
-            op()
-            if adv is not None:
-                adv()
-    return fn
-
-
-# ----------------------------------------------------------------------------------------------
-# correctness
-
-
-def _rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, e = actual.detach().double(), expected.detach().double()
-    if a.numel() == 0:
-        return 0.0
-    if not torch.isfinite(a).all():
-        return float("inf")
-    return float((a - e).norm() / e.norm().clamp_min(1e-30))
-
-
-def _fresh_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
-    B, H, HV, K, V = shape.B, shape.H, shape.HV, shape.K, shape.V
-    mixed = torch.randn(B, 2 * H * K + HV * V, device=device, dtype=dtype, generator=gen)
-    a = torch.randn(B, HV * K, device=device, dtype=dtype, generator=gen)
-    b = torch.randn(B, HV, device=device, dtype=dtype, generator=gen)
-    return mixed, a, b
-
-
-def check_replay(op: Callable[..., Any], ref: Callable[..., Any], buf: Buffers, shape: Shape,
-                 l2norm: bool) -> dict[str, Any]:
-    """One step of ``op`` against the reference on copies of the pool; see the module docstring."""
-    B, L, dev = shape.B, shape.L, buf.state.device
-    gen = buf.gen
-    slots = buf.slots[0].clone()
-    if B >= 4:
-        slots[0] = -1  # a padding row
-    passes = []
-    wp = torch.randint(0, L, (B,), device=dev, dtype=torch.int32, generator=gen)
-    wp[-1] = L - 1  # at least one flush row
-    passes.append(wp)
-    if L > 1 and (B < 3 or bool((wp[slots >= 0] == L - 1).all())):
-        passes.append(torch.randint(0, L - 1, (B,), device=dev, dtype=torch.int32, generator=gen))  # appends
-    res = {"err_out": 0.0, "err_state": 0.0, "err_ring": 0.0, "pad_ok": True, "untouched_ok": True}
-    for wp in passes:
-        mixed, a, b = _fresh_inputs(shape, buf.adt, dev, gen)
-        mine = [t.clone() for t in (buf.state, buf.d, buf.k, buf.g)]
-        theirs = [t.clone() for t in (buf.state, buf.d, buf.k, buf.g)]
-        out_m = torch.full((B, 1, shape.HV, shape.V), float("nan"), device=dev, dtype=buf.adt)
-        out_r = torch.full_like(out_m, float("nan"))
-        op(mixed, a, b, buf.A_log, buf.dt_bias, None, *mine, out_m, slots, wp, None,
-           use_qk_l2norm_in_kernel=l2norm, lower_bound=shape.lb)
-        ref(mixed, a, b, buf.A_log, buf.dt_bias, None, *theirs, out_r, slots, wp, None,
-            use_qk_l2norm_in_kernel=l2norm, lower_bound=shape.lb)
-        torch.cuda.synchronize()
-        valid = slots >= 0
-        res["err_out"] = max(res["err_out"], _rel_err(out_m[valid], out_r[valid]))
-        if (~valid).any():
-            pad = out_m[~valid]
-            res["pad_ok"] = res["pad_ok"] and bool(torch.isfinite(pad).all() and (pad == 0).all())
-        flush = valid & (wp == L - 1)
-        keep = valid & (wp != L - 1)
-        s_f = slots[flush].long()
-        s_n, c_n = slots[keep].long(), wp[keep].long()
-        if s_f.numel():
-            res["err_state"] = max(res["err_state"], _rel_err(mine[0][s_f], theirs[0][s_f]))
-        if s_n.numel():
-            e_ring = max(_rel_err(mine[1][s_n, :, c_n], theirs[1][s_n, :, c_n]),
-                         _rel_err(mine[2][s_n, :, c_n], theirs[2][s_n, :, c_n]),
-                         _rel_err(mine[3][s_n, :, c_n], theirs[3][s_n, :, c_n]))
-            res["err_ring"] = max(res["err_ring"], e_ring)
-            res["untouched_ok"] = res["untouched_ok"] and bool(torch.equal(mine[0][s_n], buf.state[s_n]))
-        del mine, theirs
-    return res
-
-
-def check_fla(fla: Callable[..., Any], ref: Callable[..., Any], buf: Buffers, shape: Shape,
-              l2norm: bool) -> float:
-    """FLA's ``out`` after one step vs the reference at cursor 0 (empty ring): same function?"""
-    B, H, HV, K, V, dev = shape.B, shape.H, shape.HV, shape.K, shape.V, buf.state.device
-    mixed, a, b = _fresh_inputs(shape, buf.adt, dev, buf.gen)
-    q4, k4, v4 = split_qkv(mixed, H, HV, K, V)
-    slots = buf.slots[0]
-    st = buf.state.clone()
-    out_f = torch.full((B, 1, HV, V), float("nan"), device=dev, dtype=buf.adt)
-    fla(q=q4, k=k4, v=v4, g=a.view(B, 1, HV, K), beta=b.view(B, 1, HV), A_log=buf.A_log, dt_bias=buf.dt_bias,
-        initial_state=st, scale=None, output_final_state=False, inplace_final_state=True, state_v_first=True,
-        ssm_state_indices=slots, use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=True,
-        use_beta_sigmoid_in_kernel=True, lower_bound=shape.lb, out=out_f)
-    del st
-    theirs = [t.clone() for t in (buf.state, buf.d, buf.k, buf.g)]
-    out_r = torch.full_like(out_f, float("nan"))
-    ref(mixed, a, b, buf.A_log, buf.dt_bias, None, *theirs, out_r, slots,
-        torch.zeros(B, device=dev, dtype=torch.int32), None, use_qk_l2norm_in_kernel=l2norm, lower_bound=shape.lb)
-    torch.cuda.synchronize()
-    err = _rel_err(out_f, out_r)
-    del theirs
-    return err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -824,78 +438,6 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
     return rec
 
 
-# ----------------------------------------------------------------------------------------------
-# reporting
-
-
-def _fmt(v: Any, spec: str, width: int) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-".rjust(width)
-    try:
-        return format(v, spec).rjust(width)
-    except (TypeError, ValueError):
-        return str(v)[:width].rjust(width)
-
-
-TABLE_COLUMNS = [
-    # (header, key, format, width)
-    ("heads", None, "", 6), ("B", "B", "d", 4), ("L", "L", "d", 3), ("st", "state", "", 4), ("lb", None, "", 4),
-    ("ours_us", "ours_us", ".1f", 8), ("op_us", "ours_op_us", ".1f", 7), ("fla_us", "fla_us", ".1f", 7),
-    ("xFLA", "speedup_vs_fla", ".2f", 5), ("GB/s", "ours_gbps", ".0f", 5), ("%flr", "ours_pct_floor", ".0f", 4),
-    ("fla%f", "fla_pct_floor", ".0f", 5), ("floor", "floor_replay_us", ".1f", 6),
-    ("eager", "ours_eager_us", ".1f", 6), ("host", "ours_host_us", ".1f", 5),
-    ("rep%", "ours_spread_pct", ".1f", 4), ("err", "ours_err_out", ".0e", 6), ("chk", None, "", 5),
-]
-
-
-def table_lines(results: list[dict[str, Any]], baselines: Sequence[str]) -> list[str]:
-    cols = list(TABLE_COLUMNS)
-    for name in baselines:
-        cols.insert(8, (f"{name[:6]}", f"{name}_us", ".1f", 7))
-    head = " ".join(h.rjust(w) for h, _, _, w in cols)
-    lines = [head, "-" * len(head)]
-    for r in results:
-        cells = []
-        for h, key, spec, w in cols:
-            if h == "heads":
-                cells.append((str(r["HV"]) if r["H"] == r["HV"] else f"{r['H']}x{r['HV']}").rjust(w))
-            elif h == "lb":
-                cells.append(("none" if r["lower_bound"] is None else f"{r['lower_bound']:g}").rjust(w))
-            elif h == "chk":
-                c = r.get("ours_check", "-")
-                if r.get("fla_check") == "WRONG":
-                    c = c + "/F!"
-                cells.append(c.rjust(w))
-            else:
-                cells.append(_fmt(r.get(key), spec, w))
-        line = " ".join(cells)
-        err = r.get("error") or r.get("ours_error") or r.get("skipped")
-        if err:
-            line += f"  !{err[:70]}"
-        elif r.get("fla_error"):
-            line += f"  !fla: {r['fla_error'][:60]}"
-        lines.append(line)
-    return lines
-
-
-def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], args: argparse.Namespace) -> Path:
-    d = out_dir(args)
-    jpath = d / f"{args.tag}.json"
-    with open(jpath, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1, default=str)
-    keys: list[str] = []
-    for r in results:
-        for k in r:
-            if k not in keys and not k.endswith("trace"):
-                keys.append(k)
-    with open(d / f"{args.tag}.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        for r in results:
-            w.writerow(r)
-    return jpath
-
-
 def gather_meta(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     from importlib import metadata
 
@@ -929,26 +471,6 @@ def gather_meta(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]
     except Exception:
         meta["git"] = None
     return meta
-
-
-COLUMN_HELP = """\
-columns: heads = HV (or HxHV for GQA); ours_us = our op + cursor advance, us/step, graph-captured, median over
-replays of full L-step cursor cycles; op_us = the same without the advance kernel; fla_us = FLA packed in-place
-decode us/step (graph); xFLA = fla_us/ours_us; GB/s = replay model bytes / ours_us; %flr = replay byte floor
-(model bytes / measured copy bandwidth) / ours_us; fla%f = FLA's packed byte floor / fla_us; floor = replay
-floor us; eager = ours us/step without a graph (op + advance); host = CPU us inside one op call; rep% = change of ours_us
-when timed again after FLA (noise); err = rel. error of out vs the reference; chk = ok/WRONG (out, flushed
-checkpoints, appended ring entries, padding rows, untouched checkpoints), /F! = FLA's out disagrees."""
-
-
-def dry_run(plan: list[Shape], args: argparse.Namespace) -> None:
-    log(f"plan: {len(plan)} shapes; floors at an assumed copy bandwidth of {args.assume_bw:.0f} GB/s")
-    log(f"{'shape':34s} {'replay MB':>10s} {'floor us':>9s} {'packed MB':>10s} {'floor us':>9s}")
-    for s in plan:
-        cfg = s.config(args.cache_dtype, args.act_dtype)
-        rb, pb = replay_bytes(cfg).total, packed_bytes(cfg).total
-        log(f"{s.label:34s} {rb / 1e6:10.2f} {floor_us(rb, args.assume_bw):9.1f} {pb / 1e6:10.2f} "
-            f"{floor_us(pb, args.assume_bw):9.1f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,15 +53,14 @@ import torch  # noqa: E402
 from bench_decode import (  # noqa: E402
     record_failure,
     release_cuda,
-    DTYPES,
     GraphRun,
     _is_fatal_cuda,
-    _rel_err,
     _short_error,
     gather_meta,
-    log,
     make_advance,
 )
+from bench_report import log  # noqa: E402
+from bench_steps import DTYPES, _rel_err  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
