@@ -157,9 +157,10 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     mma, maxnreg = False, None
     if programs_full >= 128 and one_warp:
         chunk, warps = 16, 1
-        vt = _one_wave_value_tile(programs_full, dims.value_dim, _sm_count(device))
+        sms = _sm_count(device)
+        vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
         mma = programs_full >= 1024 and bf16_operands
-        if mma and _capped_waves_fewer(programs_full * -(-dims.value_dim // vt), _sm_count(device)):
+        if mma and _capped_waves_fewer(programs_full * -(-dims.value_dim // vt), sms):
             maxnreg = 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
