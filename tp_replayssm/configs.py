@@ -84,8 +84,9 @@ def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
                          range_num_stages=[0, chunk_stages, 0], **extra)
 
 
-# Resident one-warp programs per SM on the H200: 8 uncapped (~246-255 registers a thread), 12 under the
-# 168-register cap (benchmarks/RESULTS.md, eleventh session).
+# Resident one-warp programs per SM on the H200 at K = 128: 8 uncapped (~246-255 registers a thread), 12
+# under the 168-register cap (benchmarks/RESULTS.md, eleventh session). Narrower keys need fewer registers
+# and fit more programs; the wave rules below do not model that (no such shape was measured).
 PROGRAMS_PER_SM = 8
 CAPPED_PROGRAMS_PER_SM = 12
 
