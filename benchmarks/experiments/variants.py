@@ -74,6 +74,18 @@ VARIANTS: dict[str, Variant] = {
     "no_pdl": Variant("no programmatic dependent launch (the kernel of the seventh session): plain stream order", (
         ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    # VARIANT: no PDL\n"),
     ), False),
+    "l2_prefetch": Variant("prefetch.global.L2 of the program's whole checkpoint tile right after the slot load "
+                           "(inline PTX): 19-23% slower from B = 128 (twelfth session)", (
+        ("            dr_base = s64 * dr_s + hv * dr_h\n",
+         "            dr_base = s64 * dr_s + hv * dr_h\n"
+         "            pf_rows = torch.where(tv.index < tv.end, tv.index, tv.begin)  # VARIANT: L2 prefetch\n"
+         "            pf_lines = 2 if state_rows.dtype == torch.bfloat16 else 4  # 128-byte lines of a K = 128 row\n"
+         "            pf_off = st_base + pf_rows[:, None] * st_v + hl.arange(pf_lines)[None, :] * "
+         "(64 if state_rows.dtype == torch.bfloat16 else 32)\n"
+         "            hl.inline_triton(\"tl.inline_asm_elementwise('prefetch.global.L2 [$1];\\\\n\\\\tmov.u32 $0, 0;', "
+         "'=r,l', [{0} + {1}], dtype=tl.int32, is_pure=False, pack=1)\", args=[state_rows, pf_off], "
+         "output_like=None)\n"),
+    ), False),
     "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
         ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    hl.pdl_wait()  # VARIANT: trigger at exit\n"),
         ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
