@@ -99,6 +99,11 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
+def _programs(pairs: int, value_dim: int, vt: int) -> int:
+    """One-warp programs of a grid: one per (row, value head) pair and value tile of ``vt`` rows."""
+    return pairs * -(-value_dim // vt)
+
+
 def _waves(programs: int, per_sm: int, sms: int) -> int:
     return -(-programs // (per_sm * sms))
 
@@ -111,7 +116,7 @@ def _one_wave_value_tile(pairs: int, value_dim: int, sms: int) -> int:
     B32 (512 pairs) vt 64 13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The
     rule keeps the earlier choices at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
     for vt in (32, 64):
-        if pairs * -(-value_dim // vt) <= PROGRAMS_PER_SM * sms:
+        if _programs(pairs, value_dim, vt) <= PROGRAMS_PER_SM * sms:
             return vt
     return 128
 
@@ -161,7 +166,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         sms = _sm_count(device)
         vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
         mma = programs_full >= 1024 and bf16_operands
-        if mma and _capped_waves_fewer(programs_full * -(-dims.value_dim // vt), sms):
+        if mma and _capped_waves_fewer(_programs(programs_full, dims.value_dim, vt), sms):
             maxnreg = 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
