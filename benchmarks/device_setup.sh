@@ -1,9 +1,10 @@
 # Source this on the device machine; every run_device_*.sh starts with it. It makes $OUT (default
-# benchmarks/out), installs the carried wheels (.devwheels/) into /tmp/site, puts that folder and the
-# repo on PYTHONPATH, sets the NCCL switches the device tool asks for, and prints one line (torch,
-# triton, GPU). On failure it prints the install log and returns 1.
+# benchmarks/out; exported as an absolute path), installs the carried wheels (.devwheels/) into
+# /tmp/site, puts that folder and the repo on PYTHONPATH, sets the NCCL switches the device tool asks
+# for, and prints one line (torch, triton, GPU). On failure it prints the install log and returns 1.
 #   usage: source benchmarks/device_setup.sh || exit 1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd); export OUT  # absolute: scripts that cd (into benchmarks/) still write under it
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
