@@ -15,8 +15,7 @@ OVR=( --override 'again={}' --override 'ev_state_first={"load_eviction_policies"
 if [ "${OVERRIDES:-1}" != 0 ]; then
 step "tune_decode overrides"
 timeout 240 python3 benchmarks/tune_decode.py ${SHAPES:---hv 32 8 --batch 512 --state fp32 bf16} --default-only \
-  "${OVR[@]}" >> "$LOG" 2>&1; echo "rc=$?"
-cp "$OUT/tune.json" "$OUT/tune_overrides.json" 2>/dev/null
+  "${OVR[@]}" --tag tune_overrides >> "$LOG" 2>&1; echo "rc=$?"
 grep -E "us/step|best|FAILED" "$LOG" | tail -40
 fi
 if [ "${GPU_TESTS:-0}" != 0 ]; then

@@ -8,10 +8,8 @@ timeout 120 python3 -m pytest -x -q -p no:cacheprovider tests/test_op_gpu.py \
   -k "(H8-HV8 and 8-fp32) or (H16-HV32 and 64-bf16) or (H32-HV32 and 1-fp32)" 2>&1 | tail -3
 # large batches: one program (one warp) per (row, head) streaming the value chunks
 timeout 200 python3 benchmarks/tune_decode.py --hv 32 8 --batch 512 --state fp32 bf16 \
-  --cands 128:16:1 128:8:1 64:16:1 128:16:4 --budget-s 170 2>&1 | grep -E "us/step|copy|FAILED|regs=|best" | cut -c1-100
-mv "$OUT/tune.json" "$OUT/tune_large.json" 2>/dev/null
+  --cands 128:16:1 128:8:1 64:16:1 128:16:4 --budget-s 170 --tag tune_large 2>&1 | grep -E "us/step|copy|FAILED|regs=|best" | cut -c1-100
 # small batches: split V across programs
 timeout 150 python3 benchmarks/tune_decode.py --hv 32 8 --batch 1 8 --state fp32 \
-  --cands 16:16:2 16:16:4 32:32:4 64:32:4 32:16:1 64:16:1 --budget-s 120 2>&1 \
+  --cands 16:16:2 16:16:4 32:32:4 64:32:4 32:16:1 64:16:1 --budget-s 120 --tag tune_small 2>&1 \
   | grep -E "us/step|FAILED|regs=|best" | cut -c1-100
-mv "$OUT/tune.json" "$OUT/tune_small.json" 2>/dev/null

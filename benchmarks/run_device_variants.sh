@@ -8,9 +8,8 @@ source benchmarks/device_setup.sh || exit 1
 i=0
 for run in "$@"; do
   i=$((i + 1))
-  timeout "${RUN_TIMEOUT:-400}" python3 benchmarks/tune_decode.py $run 2>&1 | grep -E "us/step|copy|FAILED|regs=" \
+  timeout "${RUN_TIMEOUT:-400}" python3 benchmarks/tune_decode.py --tag "tune_$i" $run 2>&1 | grep -E "us/step|copy|FAILED|regs=" \
     | sed -E 's/, .launch_cooperative.*//' | cut -c1-200
-  mv "$OUT/tune.json" "$OUT/tune_$i.json" 2>/dev/null
 done
 if [ "${GPU_TESTS:-0}" = 1 ]; then
   echo "== $(date +%T) gpu op tests"

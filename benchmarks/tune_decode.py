@@ -205,6 +205,8 @@ def main() -> None:
                     help="also time this candidate kernel file or variant:NAME (repeatable); the library "
                          "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    ap.add_argument("--tag", default="tune", help="name of the results file, $OUT/<tag>.json (default tune): "
+                                                  "runs that share $OUT, at once or in turn, each keep their own")
     ap.add_argument("--footprint-mib", type=float, default=240.0,
                     help="cycle through enough disjoint slot sets to touch this much cache memory (checkpoints and "
                          "rings; default 4x the H200's 60 MiB L2, so small batches stream from DRAM as in an engine "
@@ -262,7 +264,7 @@ def main() -> None:
         del prob
         torch.cuda.empty_cache()
         register_report()
-        with open(os.path.join(os.environ.get("OUT", "."), "tune.json"), "w") as f:  # after every shape
+        with open(os.path.join(os.environ.get("OUT", "."), f"{args.tag}.json"), "w") as f:  # after every shape
             json.dump(dict(copy_bw=bw, rows=rows), f, indent=1)
     print("\nbest per shape:")
     for key, grp in itertools.groupby(rows, key=lambda r: (r["HV"], r["B"], r["state"])):
