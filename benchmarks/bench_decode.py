@@ -95,6 +95,7 @@ if triton is not None:
 
 
 OURS_SPEC = "tp_replayssm.ops:replayssm_decode"
+OURS_PREDECAYED = "tp_replayssm.ops:replayssm_decode_predecayed"
 FLA_SPEC = "fla.ops.kda.fused_recurrent:fused_recurrent_kda_fwd"
 FLA_NOTE = ("FLA 0.6.0 fused_recurrent_kda_fwd(inplace_final_state=True, state_v_first=True, "
             "ssm_state_indices, use_gate_in_kernel, use_beta_sigmoid_in_kernel, use_qk_l2norm_in_kernel "
@@ -127,6 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m = p.add_argument_group("method")
     m.add_argument("--only", choices=["both", "ours", "fla"], default="both", help="which implementations to run")
     m.add_argument("--ours", default=OURS_SPEC, help="module:function of our op (signature of SPEC section 1)")
+    m.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
+                   help="the rings' layout: SPEC section 1's, or the pool's pre-decayed one under gate_lower_bound "
+                        "(ours becomes ops.replayssm_decode_predecayed, the check its reference; needs --lower-bound "
+                        "numbers)")
     m.add_argument("--baseline", action="append", default=[], metavar="NAME=module:function",
                    help="extra replay op with the same signature (e.g. a port of SGLang's kernel), timed like ours")
     m.add_argument("--advance", choices=["pool", "triton", "torch", "none"], default="pool",
@@ -344,9 +349,10 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
     t_shape = time.perf_counter()
     dev = ctx["device"]
     bw = ctx["copy"]["copy_gbps"]
-    cfg = shape.config(args.cache_dtype, args.act_dtype)
+    cfg = shape.config(args.cache_dtype, args.act_dtype, keys_per_value_head=args.ring_layout == "predecayed")
     rb, pb = replay_bytes(cfg).total, packed_bytes(cfg).total
     rec: dict[str, Any] = {
+        "ring_layout": args.ring_layout,
         "H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V, "B": shape.B, "L": shape.L,
         "state": shape.state, "cache": args.cache_dtype, "act": args.act_dtype,
         "lower_bound": shape.lb, "label": shape.label,
@@ -376,7 +382,7 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                     worst = max(chk["err_out"], chk["err_state"], chk["err_ring"])
                     ok = worst <= args.tol and chk["pad_ok"] and chk["untouched_ok"]
                     rec[f"{name}_check"] = "ok" if ok else "WRONG"
-                pool = args.advance == "pool" and name == "ours" and args.ours == OURS_SPEC
+                pool = args.advance == "pool" and name == "ours" and args.ours in (OURS_SPEC, OURS_PREDECAYED)
                 gr = GraphRun(run_steps(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance, pool=pool)),
                               buf.n_steps)
                 graphs.append(gr)
@@ -477,6 +483,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     plan = build_plan(args)
+    if args.ring_layout == "predecayed":
+        if any(s.lb is None for s in plan):
+            log("bench_decode: --ring-layout predecayed needs a lower bound on every shape (--lower-bound -5)")
+            return 2
+        if args.ours == OURS_SPEC:
+            args.ours = OURS_PREDECAYED
     if args.dry_run:
         dry_run(plan, args)
         return 0
@@ -503,7 +515,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ctx: dict[str, Any] = {"device": device, "l2_bytes": l2_bytes, "ours": None, "fla": None, "ref": None,
                            "baselines": []}
-    from tp_replayssm.reference import replayssm_decode as reference
+    from tp_replayssm import reference as reference_module
+
+    reference = (reference_module.replayssm_decode_predecayed if args.ring_layout == "predecayed"
+                 else reference_module.replayssm_decode)
 
     ctx["ref"] = reference
     if args.only in ("both", "ours"):
@@ -583,7 +598,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _skeleton(shape: Shape, args: argparse.Namespace) -> dict[str, Any]:
-    cfg = shape.config(args.cache_dtype, args.act_dtype)
+    cfg = shape.config(args.cache_dtype, args.act_dtype, keys_per_value_head=args.ring_layout == "predecayed")
     return {"H": shape.H, "HV": shape.HV, "K": shape.K, "V": shape.V, "B": shape.B, "L": shape.L,
             "state": shape.state, "cache": args.cache_dtype, "act": args.act_dtype, "lower_bound": shape.lb,
             "label": shape.label, "bytes_replay": replay_bytes(cfg).total, "bytes_packed": packed_bytes(cfg).total}

@@ -31,9 +31,10 @@ class Shape:
         lb = "" if self.lb is None else f" lb{self.lb:g}"
         return f"HV{heads} B{self.B} L{self.L} {self.state}{lb}"
 
-    def config(self, cache: str, act: str) -> DecodeConfig:
+    def config(self, cache: str, act: str, keys_per_value_head: bool = False) -> DecodeConfig:
         return DecodeConfig(self.B, self.H, self.HV, key_dim=self.K, value_dim=self.V, ring_length=self.L,
-                            state_dtype=self.state, cache_dtype=cache, act_dtype=act, lower_bound=self.lb)
+                            state_dtype=self.state, cache_dtype=cache, act_dtype=act, lower_bound=self.lb,
+                            keys_per_value_head=keys_per_value_head)
 
 
 def _dedupe(shapes: list[Shape]) -> list[Shape]:

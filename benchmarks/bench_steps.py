@@ -36,7 +36,10 @@ class Buffers:
         gen.manual_seed(args.seed * 1000003 + zlib.crc32(shape.label.encode()))
         self.gen = gen
 
-        per_set = B * (HV * V * K * sb + HV * L * V * cb + H * L * K * cb + HV * L * K * 4)
+        # the pre-decayed ring layout (--ring-layout predecayed): cumulative gates, keys k*exp(-G) per value head
+        self.predecayed = getattr(args, "ring_layout", "spec") == "predecayed"
+        KH = HV if self.predecayed else H
+        per_set = B * (HV * V * K * sb + HV * L * V * cb + KH * L * K * cb + HV * L * K * 4)
         target = args.footprint_mb * 2**20 if args.footprint_mb > 0 else 4 * l2_bytes
         max_sets = max(1, args.max_graph_steps // L)
         self.n_sets = int(max(1, min(math.ceil(target / per_set), max_sets)))
@@ -54,10 +57,14 @@ class Buffers:
         self.slots = [perm[i * B:(i + 1) * B].contiguous() for i in range(self.n_sets)]
         self.state = torch.randn(S, HV, V, K, device=device, dtype=sdt, generator=gen).mul_(0.05)
         self.d = torch.randn(S, HV, L, V, device=device, dtype=cdt, generator=gen).mul_(0.5)
-        k = torch.randn(S, H, L, K, device=device, dtype=torch.float32, generator=gen)
-        self.k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)).to(cdt)
-        del k
+        k = torch.randn(S, KH, L, K, device=device, dtype=torch.float32, generator=gen)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         self.g = torch.rand(S, HV, L, K, device=device, dtype=torch.float32, generator=gen).mul_(-0.2).sub_(0.01)
+        if self.predecayed:  # G_j = g_0 + ... + g_j and k_j * exp(-G_j)
+            self.g = self.g.cumsum(2)
+            k = k * torch.exp(-self.g)
+        self.k = k.to(cdt)
+        del k
         self.A_log = torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen)
         self.dt_bias = torch.empty(HV * K, device=device).uniform_(-4.0, 0.0, generator=gen)
 
@@ -124,7 +131,7 @@ def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: 
                     ops.decode_with_cursor_table(
                         buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
                         buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, use_qk_l2norm_in_kernel=l2norm,
-                        lower_bound=shape.lb)
+                        lower_bound=shape.lb, predecayed=buf.predecayed)
 
                 def adv(si=si) -> None:
                     cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)

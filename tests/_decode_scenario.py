@@ -39,6 +39,8 @@ class Scenario:
     flush_prob: float = 0.2
     seed: int = 0
     device: str = "cpu"
+    # the pre-decayed ring layout (ops/reference.replayssm_decode_predecayed): needs lower_bound
+    predecayed: bool = False
 
 
 def kimi_scenario(H: int, HV: int, B: int, state_dtype: torch.dtype, device: str = "cuda") -> Scenario:
@@ -80,7 +82,7 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
 
     state = _alloc((sc.S, sc.HV, sc.V, sc.K), sc.state_dtype, sc)
     d_cache = _alloc((sc.S, sc.HV, sc.L, sc.V), sc.cache_dtype, sc)
-    k_cache = _alloc((sc.S, sc.H, sc.L, sc.K), sc.cache_dtype, sc)
+    k_cache = _alloc((sc.S, sc.HV if sc.predecayed else sc.H, sc.L, sc.K), sc.cache_dtype, sc)
     g_cache = _alloc((sc.S, sc.HV, sc.L, sc.K), torch.float32, sc)
     caches = (state, d_cache, k_cache, g_cache)
     for t in caches:
@@ -94,6 +96,7 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
     cursor = torch.zeros(sc.B, dtype=torch.int32, device=dev)
     pad = slots < 0
     worst = Worst()
+    ref_op = reference.replayssm_decode_predecayed if sc.predecayed else reference.replayssm_decode
 
     for _ in range(sc.steps):
         inp = random_decode_inputs(sc.B, sc.H, sc.HV, sc.K, sc.V, dtype=sc.act_dtype, device=dev, generator=gen)
@@ -111,7 +114,7 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
         args = (inp.mixed_qkv, a, inp.b, params.A_log, dt_bias, None)
         tail = (slots, cursor, force, sc.l2norm, sc.lower_bound)
         result = op(*args, *caches, out, *tail)
-        reference.replayssm_decode(*args, *ref_caches, ref_out, *tail)
+        ref_op(*args, *ref_caches, ref_out, *tail)
         expected = oracle.step(inp, params, slots.cpu(), use_qk_l2norm=sc.l2norm, lower_bound=sc.lower_bound)
 
         assert result[0] is out and result[1] is state, "op must return (out, initial_state) in place"
@@ -134,8 +137,11 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
 
     # the state the pool would read back (checkpoint + ring) equals the float64 recurrence
     act = slots[~pad].long()
-    replayed = reference.replay_ring(
-        state[act], d_cache[act], k_cache[act].repeat_interleave(sc.HV // sc.H, dim=1), g_cache[act], cursor[~pad]
-    )
+    if sc.predecayed:
+        replayed = reference.replay_predecayed_ring(state[act], d_cache[act], k_cache[act], g_cache[act], cursor[~pad])
+    else:
+        replayed = reference.replay_ring(
+            state[act], d_cache[act], k_cache[act].repeat_interleave(sc.HV // sc.H, dim=1), g_cache[act],
+            cursor[~pad])
     worst.state_vs_plain64 = rel_err(replayed, oracle.state[act])
     return worst

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tp_replayssm.byte_model import (
@@ -197,10 +199,12 @@ def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
     assert "no CUDA device" in capsys.readouterr().out
 
 
-def test_pool_steps_match_the_row_cursor_steps():
+@pytest.mark.parametrize("layout", ["spec", "predecayed"])
+def test_pool_steps_match_the_row_cursor_steps(layout):
     """``--advance pool`` (the default): ours reads the pool's cursor table and the pool's advance kernel
     moves it; over two full cycles of two slot sets (interpreter, tiny shape) every output, checkpoint
-    and ring entry equals the row-cursor path's, and the table is back at its start after each cycle."""
+    and ring entry equals the row-cursor path's, and the table is back at its start after each cycle. Both
+    ring layouts (``--ring-layout predecayed``: GQA keys per value head, cumulative gates)."""
     import copy
 
     import torch
@@ -208,15 +212,21 @@ def test_pool_steps_match_the_row_cursor_steps():
     bd = _bench_decode()
     from tp_replayssm import ops
 
-    args = bd.parse_args(["--footprint-mb", "0.02"])
-    shape = bd.Shape(H=2, HV=2, B=3, L=4, state="fp32", lb=None, K=16, V=16)
+    predecayed = layout == "predecayed"
+    args = bd.parse_args(["--footprint-mb", "0.02", "--ring-layout", layout])
+    shape = bd.Shape(H=1 if predecayed else 2, HV=2, B=3, L=4, state="fp32", lb=-5.0 if predecayed else None,
+                     K=16, V=16)
     buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
-    assert buf.n_sets >= 2
+    assert buf.n_sets >= 2 and buf.k.shape[1] == 2
+    if predecayed:  # a consistent pre-decayed ring: kt * exp(G) is a unit key
+        keys = buf.k.float() * torch.exp(buf.g)
+        torch.testing.assert_close(keys.norm(dim=-1), torch.ones(keys.shape[:-1]), rtol=2e-2, atol=0)
     row = copy.deepcopy(buf)
     start = buf.cursor_table.clone()
     advance = bd.make_advance("torch", shape.L)
-    pool_steps = bd.replay_steps(ops.replayssm_decode, buf, shape, l2norm=True, advance=advance, pool=True)
-    row_steps = bd.replay_steps(ops.replayssm_decode, row, shape, l2norm=True, advance=advance)
+    op = ops.replayssm_decode_predecayed if predecayed else ops.replayssm_decode
+    pool_steps = bd.replay_steps(op, buf, shape, l2norm=True, advance=advance, pool=True)
+    row_steps = bd.replay_steps(op, row, shape, l2norm=True, advance=advance)
     assert len(pool_steps) == len(row_steps) == buf.n_sets * shape.L
     for _ in range(2):
         for (step, adv), (rstep, radv) in zip(pool_steps, row_steps):
@@ -226,3 +236,14 @@ def test_pool_steps_match_the_row_cursor_steps():
         assert torch.equal(getattr(buf, name), getattr(row, name)), name
     for out, rout in zip(buf.out, row.out):
         assert torch.equal(out, rout)
+
+
+def test_keys_per_value_head_count_the_predecayed_k_ring():
+    """The pre-decayed layout's k ring holds one entry per value head: under GQA (H=16, HV=32) every ring
+    entry carries HV*K keys instead of H*K; with H = HV nothing changes."""
+    gqa = DecodeConfig(8, 16, 32, ring_length=16)
+    per_hv = dataclasses.replace(gqa, keys_per_value_head=True)
+    assert per_hv.ring_entry_total - gqa.ring_entry_total == 8 * 16 * 128 * 2  # B * (HV - H) * K * bf16
+    same = DecodeConfig(8, 32, 32, ring_length=16)
+    assert dataclasses.replace(same, keys_per_value_head=True).ring_entry_total == same.ring_entry_total
+    assert replay_bytes(per_hv).total > replay_bytes(gqa).total

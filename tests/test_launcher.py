@@ -40,9 +40,14 @@ def placement_error_lines(out: str, ranks: tuple[int, ...] = (0, 1)) -> list[str
 
 
 @pytest.mark.timeout(200)
-def test_launcher_end_to_end() -> None:
-    run = _torchrun("--steps", "4", "--batch", "3", "--ring-length", "2", "--seed", "1")
+@pytest.mark.parametrize("layout", ["spec", "predecayed"])
+def test_launcher_end_to_end(layout: str) -> None:
+    """Two gloo ranks decode with churn and check sampled rows against the float64 oracle; with
+    ``--gate-lower-bound`` the pools keep their rings pre-decayed (the log says which layout)."""
+    extra = ("--gate-lower-bound", "-5", "--ring-length", "3") if layout == "predecayed" else ("--ring-length", "2")
+    run = _torchrun("--steps", "4", "--batch", "3", "--seed", "1", *extra)
     out = run.stdout + run.stderr
+    assert ("pre-decayed (gate_lower_bound=-5)" in out) == (layout == "predecayed"), out[-4000:]
     assert run.returncode == 0, out[-6000:]
     assert "RESULT: OK" in out, out[-4000:]
     assert re.search(r"throughput [0-9.]+ tokens/s", out) and re.search(r"state traffic [0-9.e+-]+ GB/s", out)

@@ -337,3 +337,83 @@ def test_interpreter_shim_multiplies_bf16_dot_operands_as_values() -> None:
     c = torch.full((16, 16), float("nan"))
     dot16[(1,)](a, b, c)
     torch.testing.assert_close(c, a.double().matmul(b.double()).float(), rtol=1e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the pre-decayed ring layout
+
+PREDECAYED_CASES = {
+    # GQA r=2 (keys per value head), bf16 rings and activations, fp32 checkpoint, l2norm
+    "gqa-bf16ring-fp32state": Scenario(lower_bound=-5.0, predecayed=True),
+    # all fp32 (the rank-1 replay flush of non-bf16 rings), no l2norm, L=5 at the largest bound it allows:
+    # (L-1) * 20 = 80, keys up to exp(80)
+    "fp32-widest-bound": Scenario(H=4, HV=4, L=5, act_dtype=torch.float32, cache_dtype=torch.float32, l2norm=False,
+                                  lower_bound=-20.0, predecayed=True, steps=8, flush_prob=0.1),
+}
+
+
+@pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
+@pytest.mark.parametrize("name", list(PREDECAYED_CASES))
+def test_predecayed_layout_kernel_matches_its_reference_and_plain_recurrence(
+        name: str, tiny: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``replayssm_decode_predecayed`` (cumulative gates, keys ``k * exp(-G)`` per value head) against its
+    reference and the float64 plain recurrence (read back through ``replay_predecayed_ring``), on both
+    kernel paths; NaN ring entries past each cursor (row 0 of an empty ring included, which the kernel
+    loads for ``G_{c-1}`` and must mask) and sentinel slots as in every scenario."""
+    monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
+    sc = PREDECAYED_CASES[name]
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
+    limit = 3e-2 if sc.cache_dtype == torch.bfloat16 else 1e-4
+    assert worst.out_vs_plain64 <= limit and worst.state_vs_plain64 <= limit, worst
+
+
+def test_predecayed_layout_tensor_core_chunks_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-decayed prologue feeding the bf16 tensor-core chunk products (bf16 checkpoint and rings)."""
+    chosen = ops.select_config
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(mma_chunks=True))
+    sc = dataclasses.replace(BF16_OPERANDS, lower_bound=-5.0, predecayed=True)
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
+
+
+def test_predecayed_reference_matches_plain_recurrence_tightly_in_fp32() -> None:
+    sc = Scenario(act_dtype=torch.float32, cache_dtype=torch.float32, steps=10, flush_prob=0.3, lower_bound=-5.0,
+                  predecayed=True)
+    worst = run_scenario(sc, reference.replayssm_decode_predecayed)
+    assert worst.out_vs_plain64 < 1e-5 and worst.state_vs_plain64 < 1e-5, worst
+
+
+def _predecayed_tensors(**overrides: object) -> dict[str, object]:
+    return _tensors(**{"k_cache": torch.randn(S, HV, L, K, dtype=torch.bfloat16), "lower_bound": -5.0, **overrides})
+
+
+PREDECAYED_BAD_INPUTS = {
+    "lower_bound-none": (dict(lower_bound=None), "finite float.*None"),
+    "lower_bound-too-wide": (dict(lower_bound=-27.0), r"\(L-1\) \* \|lower_bound\| = 81"),
+    "k_cache-per-qk-head": (dict(k_cache=torch.randn(S, H, L, K, dtype=torch.bfloat16)), r"\[5, 2, 4, 16\]"),
+    "mixed_qkv-width": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V + K, dtype=torch.bfloat16)), "width 144"),
+}
+
+
+@pytest.mark.parametrize("impl", [ops.replayssm_decode_predecayed, reference.replayssm_decode_predecayed],
+                         ids=["op", "reference"])
+@pytest.mark.parametrize("case", list(PREDECAYED_BAD_INPUTS))
+def test_predecayed_layout_bad_input_raises_naming_argument_and_writes_nothing(impl, case: str) -> None:  # noqa: ANN001
+    overrides, actual = PREDECAYED_BAD_INPUTS[case]
+    t = _predecayed_tensors(**overrides)
+    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=f"`{case.split('-')[0]}`") as info:
+        impl(**t)
+    assert re.search(actual, str(info.value)), str(info.value)
+    for k, v in snapshot.items():
+        assert torch.equal(t[k], v), f"{k} was written"
+
+
+def test_predecayed_layout_refuses_fp16_rings() -> None:
+    t = _predecayed_tensors(d_cache=torch.randn(S, HV, L, V, dtype=torch.float16),
+                            k_cache=torch.randn(S, HV, L, K, dtype=torch.float16))
+    with pytest.raises(ValueError, match="cache dtype.*float16"):
+        ops.replayssm_decode_predecayed(**t)

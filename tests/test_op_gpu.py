@@ -8,6 +8,7 @@ the reference and the float64 plain recurrence. Worst errors go to ``$OUT/gpu_op
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -64,6 +65,23 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     RESULTS.append(dict(case=f"mma-chunks-fp32act-B{B}-HV{HV}", **vars(worst)))
     assert worst.flushes > 0 and worst.appends > 0
     assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
+
+
+PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8)]  # (H, HV, B)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
+@pytest.mark.parametrize("H,HV,B", PREDECAYED_SHAPES, ids=[f"H{h}-HV{hv}-B{b}" for h, hv, b in PREDECAYED_SHAPES])
+def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
+    """The pool's pre-decayed ring layout (``lower_bound = -5``, L = 16: keys up to exp(75)) on the compiled
+    kernel, every config regime (tiny batch, one-warp, tensor-core chunks from 1024 pairs), a full cycle
+    plus one step against its reference and the float64 plain recurrence."""
+    sc = dataclasses.replace(kimi_scenario(H, HV, B, state_dtype), lower_bound=-5.0, predecayed=True)
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    RESULTS.append(dict(case="predecayed", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 

@@ -70,12 +70,16 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
 
 # ---- the main scenario: many steps, several layers, churn, flushes, load_state, sentinels ---------
 
-def test_pool_matches_plain_kda_over_ring_cycles_with_churn():
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
+def test_pool_matches_plain_kda_over_ring_cycles_with_churn(lower_bound):
     """Two layers, >= 2 full ring cycles, padding rows, forced flushes, free + re-alloc mid-stream
     (of a never-used sentinel-filled slot and of a used one), load_state mid-ring on one layer, and
-    read_state equal to the oracle at every cursor; unallocated slots stay bit-identical."""
+    read_state equal to the oracle at every cursor; unallocated slots stay bit-identical. In both ring
+    layouts: with ``gate_lower_bound`` the pool stores cumulative gates and pre-decayed keys per value
+    head (GQA here: one q/k head, two value heads)."""
     NL = 2
-    pool = make_pool(num_layers=NL)
+    pool = make_pool(num_layers=NL, gate_lower_bound=lower_bound)
+    assert pool.k_cache.shape[2] == (2 if lower_bound is not None else 1)
     gen = torch.Generator().manual_seed(1234)
     rng = random.Random(99)
     params = [params_for(SMALL.num_v_heads, gen) for _ in range(NL)]
@@ -137,9 +141,9 @@ def test_pool_matches_plain_kda_over_ring_cycles_with_churn():
             inp = small_inputs(gen)
             out = torch.full((B, 1, 2, VD), float("nan"), device=DEV)
             got = pool.decode(layer, inp.mixed_qkv, inp.a, inp.b, params[layer].A_log, params[layer].dt_bias, slots,
-                              scale=scales[layer], force_flush=force, out=out)
+                              scale=scales[layer], force_flush=force, out=out, lower_bound=lower_bound)
             assert got is out
-            want = oracles[layer].step(inp, params[layer], slots, scale=scales[layer])
+            want = oracles[layer].step(inp, params[layer], slots, scale=scales[layer], lower_bound=lower_bound)
             real = slots >= 0
             assert rel_err(out[real, 0], want[real.cpu()]) < TOL_BF16, (step, layer)
             assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding rows exactly zero
@@ -397,11 +401,14 @@ def test_load_state_and_read_state():
 
 # ---- memory accounting ---------------------------------------------------------------------------
 
-def test_memory_accounting_matches_tensors(caplog):
+@pytest.mark.parametrize("gate_lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
+def test_memory_accounting_matches_tensors(caplog, gate_lower_bound):
     heads = KDAHeads(2, 8, KD, 32)
     with caplog.at_level(logging.INFO, logger="tp_replayssm.pool"):
         pool = make_pool(heads, num_layers=3, num_slots=5, ring_length=4, tp_rank=1, tp_size=2,
-                         state_dtype=torch.bfloat16)
+                         state_dtype=torch.bfloat16, gate_lower_bound=gate_lower_bound)
+    # the local shard: one q/k head, four value heads; the pre-decayed keys are per value head
+    assert pool.k_cache.shape[2] == (4 if gate_lower_bound is not None else 1)
     mem = pool.memory
     tensors = {**pool_tensors(pool), "cursors": pool.cursors}
     assert mem.total == sum(t.numel() * t.element_size() for t in tensors.values())
@@ -415,6 +422,8 @@ def test_memory_accounting_matches_tensors(caplog):
     assert mem.per_slot == 3 * sum(nbytes.values()) + pool.cursors.element_size()
     assert any("ReplaySSMStatePool" in r.getMessage() for r in caplog.records)
     assert any(f"per slot {mem.per_slot} B" in r.getMessage() for r in caplog.records)
+    layout = "pre-decayed (gate_lower_bound=-5)" if gate_lower_bound is not None else "SPEC ring layout"
+    assert any(layout in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -452,6 +461,10 @@ def test_slots_that_fit(tp):
         (dict(tp_size=3), "tp=3"),
         (dict(tp_size=2, tp_rank=2), "tp_rank"),
         (dict(heads=KDAHeads(3, 6, 16, 16), tp_size=2, tp_rank=0), "H=3"),
+        (dict(gate_lower_bound=-41.0), r"gate_lower_bound.*\(L-1\) \* \|gate_lower_bound\| = 82"),
+        (dict(gate_lower_bound="-5"), "gate_lower_bound.*finite float"),
+        (dict(gate_lower_bound=float("nan")), "gate_lower_bound.*finite float"),
+        (dict(gate_lower_bound=-5.0, cache_dtype=torch.float16), "cache dtype.*float16"),
     ],
 )
 def test_constructor_rejects_bad_config(kw, needle):
@@ -499,6 +512,24 @@ def test_decode_and_state_calls_reject_bad_input():
         pool.load_state(0, ids.to("meta"), torch.zeros(2, 2, VD, KD, device=DEV))
 
 
+def test_predecayed_pool_takes_only_its_lower_bound_and_writes_nothing_else():
+    """A pool built with ``gate_lower_bound`` stores keys pre-decayed under that bound: a decode with any other
+    ``lower_bound`` (None included) is refused, naming it, before anything is written."""
+    pool = make_pool(num_layers=1, gate_lower_bound=-5.0)
+    ids = pool.alloc(2)
+    slots = i32(ids.tolist() + [-1] * (B - 2))
+    p = params_for(2)
+    inp = small_inputs()
+    before = {**{k: v.clone() for k, v in pool_tensors(pool).items()}, "cursors": pool.cursors.clone()}
+    out = torch.full((B, 1, 2, VD), 7.0, device=DEV)
+    for bad in (None, -4.0, 5.0):
+        with pytest.raises(ValueError, match=rf"`lower_bound` must be the pool's gate_lower_bound = -5.0.*got {bad}"):
+            pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots, lower_bound=bad, out=out)
+    after = {**pool_tensors(pool), "cursors": pool.cursors}
+    assert all(torch.equal(before[k], after[k]) for k in before) and (out == 7.0).all()
+    assert "gate_lower_bound=-5.0" in repr(pool)
+
+
 def test_debug_mode_checks(monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert make_pool().debug is False
@@ -539,13 +570,15 @@ def test_debug_mode_checks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_step_matches_eager_bitwise():
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
+def test_cuda_graph_step_matches_eager_bitwise(lower_bound):
     """Capture one full model step (every layer's decode + advance) for a fixed batch, replay it over
-    more than one full ring cycle with fresh inputs each step, and match eager execution bitwise."""
+    more than one full ring cycle with fresh inputs each step, and match eager execution bitwise (both
+    ring layouts)."""
     heads, NL, ring, Bg = KDAHeads(2, 8, 128, 128), 3, 4, 6
     dev = torch.device("cuda", torch.cuda.current_device())
-    pools = [ReplaySSMStatePool(heads, num_layers=NL, num_slots=8, ring_length=ring, device=dev, debug=False)
-             for _ in range(2)]
+    pools = [ReplaySSMStatePool(heads, num_layers=NL, num_slots=8, ring_length=ring, device=dev, debug=False,
+                                gate_lower_bound=lower_bound) for _ in range(2)]
     ids = [pool.alloc(5) for pool in pools]
     assert torch.equal(ids[0], ids[1])
     rows = ids[0].tolist()
@@ -573,7 +606,7 @@ def test_cuda_graph_step_matches_eager_bitwise():
     def model_step(pool, inputs, flags, outs):
         for layer in range(NL):
             pool.decode(layer, inputs[layer].mixed_qkv, inputs[layer].a, inputs[layer].b, params[layer].A_log,
-                        params[layer].dt_bias, slots, force_flush=flags, out=outs[layer])
+                        params[layer].dt_bias, slots, force_flush=flags, out=outs[layer], lower_bound=lower_bound)
         pool.advance(slots, flags)
 
     eager_outs = [torch.empty_like(o) for o in static_out]

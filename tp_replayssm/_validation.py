@@ -16,6 +16,12 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# The pre-decayed ring layout (:func:`check_predecayed_layout`): its keys ``k_j * exp(-G_j)`` grow by up to
+# ``exp((L-1) * |lower_bound|)``; fp32 and bf16 reach exp(88.7), so 80 leaves keys up to exp(8.7) ~ 6000
+# in magnitude (l2-normalized keys are at most 1) and keeps ``exp(G)`` above fp32's smallest normal
+PREDECAYED_MAX_LOG_DECAY = 80.0
+PREDECAYED_CACHE_DTYPES = (torch.bfloat16, torch.float32)
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeDims:
@@ -37,6 +43,27 @@ class DecodeDims:
 
 def _fail(arg: str, expected: str, actual: object) -> ValueError:
     return ValueError(f"replayssm_decode: `{arg}` must be {expected}; got {actual}")
+
+
+def check_predecayed_layout(lower_bound: object, ring_length: int, cache_dtype: torch.dtype, where: str,
+                            lower_bound_name: str = "lower_bound") -> None:
+    """The pre-decayed ring layout needs a bounded gate with ``(L-1) * |lower_bound| <= 80`` and a bf16 or
+    fp32 ring (fp16 tops out at exp(11)); ``ValueError`` naming the argument otherwise."""
+    if not (isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool)
+            and math.isfinite(lower_bound)):
+        raise ValueError(f"{where}: `{lower_bound_name}` must be a finite float for the pre-decayed ring layout "
+                         f"(its keys are stored as k * exp(-G), bounded only under a bounded gate); got "
+                         f"{lower_bound!r}")
+    if (ring_length - 1) * abs(lower_bound) > PREDECAYED_MAX_LOG_DECAY:
+        raise ValueError(
+            f"{where}: `{lower_bound_name}` must satisfy (L-1) * |{lower_bound_name}| <= "
+            f"{PREDECAYED_MAX_LOG_DECAY:g} for the pre-decayed ring layout (L = {ring_length}: |{lower_bound_name}| <= "
+            f"{PREDECAYED_MAX_LOG_DECAY / max(ring_length - 1, 1):.4g}); got {lower_bound!r}, "
+            f"(L-1) * |{lower_bound_name}| = {(ring_length - 1) * abs(lower_bound):g}")
+    if cache_dtype not in PREDECAYED_CACHE_DTYPES:
+        raise ValueError(f"{where}: the pre-decayed ring layout needs a cache dtype in "
+                         f"{list(PREDECAYED_CACHE_DTYPES)} (its keys reach exp({PREDECAYED_MAX_LOG_DECAY:g})); "
+                         f"got {cache_dtype}")
 
 
 def _shape(t: torch.Tensor) -> list[int]:
@@ -82,11 +109,14 @@ def validate_decode_inputs(
     lower_bound: float | None,
     *,
     cursors_by_slot: bool = False,
+    predecayed: bool = False,
 ) -> DecodeDims:
     """Check every argument of ``replayssm_decode`` against SPEC section 1; return the sizes.
 
     ``cursors_by_slot``: ``write_pos`` is a cursor table ``[S + 1]`` indexed by slot (the pool's), not
-    one cursor per row ``[B]``."""
+    one cursor per row ``[B]``. ``predecayed``: the pre-decayed ring layout (``ops.replayssm_decode_predecayed``):
+    ``k_cache [S, HV, L, K]`` (H then comes from ``mixed_qkv``'s width), a bf16 or fp32 ring, and a
+    ``lower_bound`` within :data:`PREDECAYED_MAX_LOG_DECAY`."""
     if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
         raise _fail("initial_state", "a 4-D tensor [S, HV, V, K]", _describe(initial_state))
     S, HV, V, K = initial_state.shape
@@ -96,15 +126,24 @@ def validate_decode_inputs(
     if L < 1:
         raise _fail("d_cache", "a ring of length L >= 1 (dim 2)", f"L = {L}")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
-        raise _fail("k_cache", "a 4-D tensor [S, H, L, K]", _describe(k_cache))
-    H = k_cache.shape[1]
-    if H < 1 or HV % H != 0:
-        raise _fail("k_cache", f"[S, H, L, K] with HV % H == 0 (HV = {HV} from initial_state)", f"H = {H}")
+        raise _fail("k_cache", f"a 4-D tensor [S, {'HV' if predecayed else 'H'}, L, K]", _describe(k_cache))
     if S < 1 or HV < 1 or K < 1 or V < 1:
         raise _fail("initial_state", "non-empty [S, HV, V, K]", _shape(initial_state))
+    if predecayed:  # the k ring is per value head: the q/k heads come from mixed_qkv's width 2*H*K + HV*V
+        if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
+            raise _fail("mixed_qkv", "a 2-D tensor [B, 2*H*K + HV*V]", _describe(mixed_qkv))
+        qk_width = mixed_qkv.shape[1] - HV * V
+        H = qk_width // (2 * K)
+        if qk_width < 2 * K or qk_width % (2 * K) != 0 or HV % H != 0:
+            raise _fail("mixed_qkv", f"of width 2*H*K + HV*V with HV % H == 0 (HV = {HV}, K = {K}, V = {V} "
+                        f"from initial_state)", f"width {mixed_qkv.shape[1]}")
+    else:
+        H = k_cache.shape[1]
+        if H < 1 or HV % H != 0:
+            raise _fail("k_cache", f"[S, H, L, K] with HV % H == 0 (HV = {HV} from initial_state)", f"H = {H}")
     _check_tensor("initial_state", initial_state, ((S, HV, V, K),), STATE_DTYPES)
     _check_tensor("d_cache", d_cache, ((S, HV, L, V),), CACHE_DTYPES)
-    _check_tensor("k_cache", k_cache, ((S, H, L, K),), (d_cache.dtype,))
+    _check_tensor("k_cache", k_cache, ((S, HV if predecayed else H, L, K),), (d_cache.dtype,))
     _check_tensor("g_cache", g_cache, ((S, HV, L, K),), (torch.float32,))
 
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
@@ -127,6 +166,8 @@ def validate_decode_inputs(
         raise _fail("scale", "None or a finite float", repr(scale))
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
         raise _fail("lower_bound", "None or a finite float", repr(lower_bound))
+    if predecayed:
+        check_predecayed_layout(lower_bound, L, d_cache.dtype, "replayssm_decode_predecayed")
 
     tensors = {
         "mixed_qkv": mixed_qkv,

@@ -90,6 +90,7 @@ class DecodeConfig:
     act_dtype: Any = "bf16"
     lower_bound: float | None = None
     force_flush: bool = False  # a force_flush [B] int32 tensor is passed (and read)
+    keys_per_value_head: bool = False  # the pre-decayed ring layout: one k ring entry per value head
 
     def __post_init__(self) -> None:
         for name in ("batch", "num_q_heads", "num_v_heads", "key_dim", "value_dim", "ring_length"):
@@ -125,9 +126,11 @@ class DecodeConfig:
 
     @property
     def ring_entry_total(self) -> int:
-        """One ring entry for every row: ``d [HV, V]``, ``k [H, K]`` (cache dtype), ``g [HV, K]`` (fp32)."""
+        """One ring entry for every row: ``d [HV, V]``, ``k [H, K]`` (``[HV, K]`` with ``keys_per_value_head``;
+        cache dtype), ``g [HV, K]`` (fp32)."""
         B, H, HV, K, V = self.batch, self.num_q_heads, self.num_v_heads, self.key_dim, self.value_dim
-        return B * (HV * V * self.cache_bytes + H * K * self.cache_bytes + HV * K * GATE_CACHE_BYTES)
+        kh = HV if self.keys_per_value_head else H
+        return B * (HV * V * self.cache_bytes + kh * K * self.cache_bytes + HV * K * GATE_CACHE_BYTES)
 
     @property
     def activations_in(self) -> int:

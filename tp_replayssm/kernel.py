@@ -132,8 +132,8 @@ def replayssm_decode_kernel(
     dt_bias2: torch.Tensor,  # [HV, K] fp32
     state_rows: torch.Tensor,  # checkpoint rows view [span, K]
     d_rows: torch.Tensor,  # d ring rows view [span, V]
-    k_rows: torch.Tensor,  # k ring rows view [span, K]
-    g_rows: torch.Tensor,  # g ring rows view [span, K]
+    k_rows: torch.Tensor,  # k ring rows view [span, K] (per q/k head; per value head if predecayed_ring)
+    g_rows: torch.Tensor,  # g ring rows view [span, K] (cumulative gates if predecayed_ring)
     out3: torch.Tensor,  # [B, HV, V]
     slots: torch.Tensor,  # [B] int32
     write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
@@ -152,6 +152,7 @@ def replayssm_decode_kernel(
     cursors_by_slot: hl.constexpr,
     tiny_batch: hl.constexpr,
     chunks_on_tensor_cores: hl.constexpr,
+    predecayed_ring: hl.constexpr,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -174,6 +175,10 @@ def replayssm_decode_kernel(
         h = tile_h.begin
         sub = tile_r.begin  # value head hv = h*group + sub reads q/k head h
         hv = h * group + sub
+        if predecayed_ring:  # the k ring's head: pre-decayed keys depend on the value head's gates
+            kh = hv
+        else:
+            kh = h
         slot = slots[row]
         if slot >= 0:
             s64 = slot.to(torch.int64)
@@ -198,21 +203,35 @@ def replayssm_decode_kernel(
                 ring_mask = valid
             if not mma_chunks:
                 d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
-            g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
-            k_ring = hl.load(k_rows, [s64 * kr_s + h * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
+            if predecayed_ring:  # tot = G_{c-1}, one row (0 for an empty ring); no scan, no exp per entry
+                g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
+            else:
+                g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
+            k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
             q, k = _qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
             x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
             beta = torch.sigmoid(b2[row, hv].to(torch.float32))
             eg = torch.exp(g)
-            kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
-            xk = eg * k
-            xq = eg * q
-            wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
-            wq = torch.sum(kdec * xq[None, :], dim=1)
-            et = torch.exp(tot)
-            ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
-            aq = et * xq
+            if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
+                tot = torch.where(cur > 0, g_last, 0.0)
+                kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
+                et = torch.exp(tot)
+                xk = eg * k
+                xq = eg * q
+                ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
+                aq = et * xq
+                wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
+                wq = torch.sum(kdec * aq[None, :], dim=1)
+            else:
+                kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
+                xk = eg * k
+                xq = eg * q
+                wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
+                wq = torch.sum(kdec * xq[None, :], dim=1)
+                et = torch.exp(tot)
+                ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
+                aq = et * xq
             kq = torch.sum(k * q, dim=0)
             ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
             if append:  # every step but the flush: outputs and the ring append of delta
@@ -250,16 +269,24 @@ def replayssm_decode_kernel(
                         hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
                         hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
                 if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
-                    g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
-                    if sub == 0:
-                        k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+                    if predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head
+                        g_cum = tot + g
+                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_cum
+                        k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = (k * torch.exp(-g_cum)).to(k_rows.dtype)
+                    else:
+                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
+                        if sub == 0:
+                            k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
             else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
                 if mma_chunks:  # the first chunk's loads, issued before the prologue on the other path
                     S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
                     d_next = hl.load(d_rows, [dr_base + j * dr_l, rows],
                                      extra_mask=ring_mask[:, None] & live[None, :])
                 if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
-                    k_flush = kdec * eg[None, :]  # [Lb, K]
+                    if predecayed_ring:  # kt_j*exp(tot+g)
+                        k_flush = kdec * (et * eg)[None, :]  # [Lb, K]
+                    else:
+                        k_flush = kdec * eg[None, :]  # [Lb, K]
                     k_hi = k_flush.to(torch.bfloat16)
                     k_rest = k_flush - k_hi.to(torch.float32)
                     k_mid = k_rest.to(torch.bfloat16)
@@ -287,10 +314,13 @@ def replayssm_decode_kernel(
                         decay = g  # log-decay from entry j to the new state
                         for back in hl.grid(cur):
                             jr = cur - 1 - back
-                            k_j = k_rows[s64 * kr_s + h * kr_h + jr * kr_l, :].to(torch.float32)
+                            k_j = k_rows[s64 * kr_s + kh * kr_h + jr * kr_l, :].to(torch.float32)
                             d_j = hl.load(d_rows, [dr_base + jr * dr_l, frows], extra_mask=flive).to(torch.float32)
-                            S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
-                            decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
+                            if predecayed_ring:  # kt_j*exp(tot+g)
+                                S_new = S_new + d_j[:, None] * (k_j * (et * eg))[None, :]
+                            else:
+                                S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
+                                decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
                     hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
                              extra_mask=flive[:, None])
         else:

@@ -98,25 +98,54 @@ def replayssm_decode(
                    ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False)
 
 
+def replayssm_decode_predecayed(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor,
+    d_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    write_pos: torch.Tensor,
+    force_flush: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replayssm_decode` on the pre-decayed ring layout (the pool's under ``gate_lower_bound``;
+    :func:`tp_replayssm.reference.replayssm_decode_predecayed` is its oracle): ``g_cache [S, HV, L, K]``
+    holds cumulative gates ``G_j = g_0 + ... + g_j`` since the last flush and ``k_cache [S, HV, L, K]``
+    (one per VALUE head) the keys ``k_j * exp(-G_j)``, so the ring needs no scan and no exp per entry.
+    Needs ``lower_bound`` with ``(L-1) * |lower_bound| <= 80`` and a bf16 or fp32 ring."""
+    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False, True)
+
+
 def decode_with_cursor_table(
     mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
     scale: float | None, initial_state: torch.Tensor, d_cache: torch.Tensor, k_cache: torch.Tensor,
     g_cache: torch.Tensor, out: torch.Tensor, ssm_state_indices: torch.Tensor, cursors: torch.Tensor,
     force_flush: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
-    lower_bound: float | None = None,
+    lower_bound: float | None = None, predecayed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`replayssm_decode` with the cursors read by slot from a table ``cursors [S + 1]`` int32 (the
-    pool's; row ``b``'s cursor is ``cursors[ssm_state_indices[b]]``), so the caller gathers nothing."""
+    """:func:`replayssm_decode` (or with ``predecayed``, :func:`replayssm_decode_predecayed`) with the cursors
+    read by slot from a table ``cursors [S + 1]`` int32 (the pool's; row ``b``'s cursor is
+    ``cursors[ssm_state_indices[b]]``), so the caller gathers nothing."""
     return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                   ssm_state_indices, cursors, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
+                   ssm_state_indices, cursors, force_flush, use_qk_l2norm_in_kernel, lower_bound, True, predecayed)
 
 
 def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,  # noqa: ANN001
             ssm_state_indices, write_pos, force_flush, use_l2norm, lower_bound,
-            cursors_by_slot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            cursors_by_slot: bool, predecayed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     dims = validate_decode_inputs(
         mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
         ssm_state_indices, write_pos, force_flush, lower_bound, cursors_by_slot=cursors_by_slot,
+        predecayed=predecayed,
     )
     device = mixed_qkv.device
     _interpreter_or_cuda(device)
@@ -125,7 +154,7 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
     launch(dims, mixed_qkv, a, b, A_log, dt_bias, resolve_scale(scale, dims.key_dim), initial_state,
            d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
            _no_flush(dims.batch, device) if force_flush is None else force_flush,
-           bool(use_l2norm), lower_bound, cursors_by_slot)
+           bool(use_l2norm), lower_bound, cursors_by_slot, predecayed)
     return out, initial_state
 
 
@@ -133,7 +162,8 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, initial_state: torch.Tensor,
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
-           use_l2norm: bool, lower_bound: float | None, cursors_by_slot: bool = False) -> None:
+           use_l2norm: bool, lower_bound: float | None, cursors_by_slot: bool = False,
+           predecayed: bool = False) -> None:
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
@@ -146,8 +176,9 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks),
-        inputs, mixed_qkv.device, (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks),
+                            cursors_by_slot, tiny, mma_chunks, predecayed),
+        inputs, mixed_qkv.device,
+        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed),
         KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
         None if maxnreg is None else {"maxnreg": maxnreg})
@@ -161,7 +192,7 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 22
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 23
 
 
 def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -169,10 +200,12 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
-                cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False) -> tuple:
+                cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
+                predecayed: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
-    ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`)."""
+    ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`),
+    ``predecayed`` its ``predecayed_ring`` (:func:`replayssm_decode_predecayed`)."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -191,4 +224,5 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     lb = _lower_bound_arg(lower_bound)
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
-            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks)
+            L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
+            predecayed)

@@ -16,6 +16,13 @@ tensor         shape                                dtype            meaning
                                                                      scratch entry padding rows hit
 =============  ===================================  ===============  ===============================
 
+With ``gate_lower_bound`` (every decode of the pool passes that ``lower_bound``) the rings use the
+pre-decayed layout of :func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the
+cumulative gates ``G_j`` since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys
+``k_j * exp(-G_j)`` per value head, so a decode step needs no scan over the ring and no exp per ring entry
+(10-26% faster at B <= 32 on the H200, benchmarks/RESULTS.md). That needs ``(L-1) * |gate_lower_bound| <= 80``
+and a bf16 or fp32 cache; ``read_state``, ``load_state`` and ``alloc`` follow the layout.
+
 The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
 by slot (no gather); :meth:`advance`, once per model step after every layer decoded, moves them
 on the device (flushed -> 0, else +1) without a host sync, so a whole step is CUDA-graph capturable.
@@ -36,10 +43,10 @@ from typing import NamedTuple
 import torch
 
 from . import cursor_kernel, ops, placement
-from ._validation import CACHE_DTYPES, STATE_DTYPES
+from ._validation import CACHE_DTYPES, STATE_DTYPES, check_predecayed_layout
 from .heads import HeadShard, KDAHeads, shard_heads
 from .memory import PoolMemory, pool_memory
-from .reference import replay_ring
+from .reference import replay_predecayed_ring, replay_ring
 
 __all__ = ["LayerViews", "PoolExhaustedError", "ReplaySSMStatePool"]
 
@@ -54,7 +61,8 @@ class PoolExhaustedError(RuntimeError):
 
 class LayerViews(NamedTuple):
     """One layer's views into the pool: ``checkpoint [S, HV_l, V, K]``, ``d_cache [S, HV_l, L, V]``,
-    ``k_cache [S, H_l, L, K]``, ``g_cache [S, HV_l, L, K]`` (the op's ``initial_state`` and rings)."""
+    ``k_cache [S, H_l, L, K]`` (``[S, HV_l, L, K]`` in the pre-decayed layout), ``g_cache [S, HV_l, L, K]``
+    (the op's ``initial_state`` and rings)."""
 
     checkpoint: torch.Tensor
     d_cache: torch.Tensor
@@ -83,7 +91,9 @@ class ReplaySSMStatePool:
     ``heads`` is the GLOBAL geometry; the pool holds rank ``tp_rank`` of ``tp_size``'s shard
     (``pool.shard``, ``pool.local_heads``). ``tp_rank``/``tp_size`` default to ``group``'s rank and
     size, else ``0``/``1``; ``device`` defaults to the current CUDA device, else the CPU. With a
-    ``group`` construction is collective (the placement check of SPEC section 4).
+    ``group`` construction is collective (the placement check of SPEC section 4). ``gate_lower_bound``:
+    the ``lower_bound`` every :meth:`decode` of this pool passes; given, the rings use the pre-decayed
+    layout (module docstring). ``debug``: the checks that sync with the device (module docstring).
     """
 
     def __init__(
@@ -100,6 +110,7 @@ class ReplaySSMStatePool:
         group: object | None = None,
         device: torch.device | str | int | None = None,
         debug: bool | None = None,
+        gate_lower_bound: float | None = None,
     ) -> None:
         if not isinstance(heads, KDAHeads):
             raise ValueError(f"ReplaySSMStatePool: `heads` must be a tp_replayssm.KDAHeads; got {type(heads).__name__}")
@@ -110,6 +121,10 @@ class ReplaySSMStatePool:
             raise ValueError(f"ReplaySSMStatePool: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"ReplaySSMStatePool: `cache_dtype` must be one of {list(CACHE_DTYPES)}; got {cache_dtype!r}")
+        if gate_lower_bound is not None:
+            check_predecayed_layout(gate_lower_bound, ring_length, cache_dtype, "ReplaySSMStatePool",
+                                    "gate_lower_bound")
+            gate_lower_bound = float(gate_lower_bound)
         if group is not None:
             import torch.distributed as dist
 
@@ -124,6 +139,8 @@ class ReplaySSMStatePool:
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
         self.state_dtype, self.cache_dtype = state_dtype, cache_dtype
+        self.gate_lower_bound = gate_lower_bound
+        self.predecayed = gate_lower_bound is not None  # the ring layout (module docstring)
         self.device = _resolve_device(device)
         self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
 
@@ -134,7 +151,7 @@ class ReplaySSMStatePool:
             kw = {"device": self.device}
             self.checkpoint = torch.zeros(NL, S, HV, V, K, dtype=state_dtype, **kw)
             self.d_cache = torch.zeros(NL, S, HV, L, V, dtype=cache_dtype, **kw)
-            self.k_cache = torch.zeros(NL, S, H, L, K, dtype=cache_dtype, **kw)
+            self.k_cache = torch.zeros(NL, S, HV if self.predecayed else H, L, K, dtype=cache_dtype, **kw)
             self.g_cache = torch.zeros(NL, S, HV, L, K, dtype=torch.float32, **kw)
             self.cursors = torch.zeros(S + 1, dtype=torch.int32, **kw)
 
@@ -145,14 +162,16 @@ class ReplaySSMStatePool:
         self._layer_checked = [False] * NL
         self.memory: PoolMemory = pool_memory(
             heads, tp_size=tp_size, num_layers=NL, num_slots=S, ring_length=L, state_dtype=state_dtype,
-            cache_dtype=cache_dtype)
+            cache_dtype=cache_dtype, keys_per_value_head=self.predecayed)
         self.fingerprint = placement.PoolFingerprint(
             num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
             value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
-            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype))
+            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), gate_lower_bound=gate_lower_bound)
         self._check_placement(self._pool_tensors(), "ReplaySSMStatePool.__init__")
-        logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d; %s",
-                    tp_rank, tp_size, self.device, H, HV, K, V, L, self.memory.describe())
+        logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
+                    tp_rank, tp_size, self.device, H, HV, K, V, L,
+                    f"pre-decayed (gate_lower_bound={gate_lower_bound:g})" if self.predecayed else "SPEC",
+                    self.memory.describe())
 
     # ---- views and bookkeeping ------------------------------------------------------------------
 
@@ -179,7 +198,8 @@ class ReplaySSMStatePool:
     def __repr__(self) -> str:
         return (f"ReplaySSMStatePool(rank={self.tp_rank}/{self.tp_size}, device={self.device}, layers={self.num_layers}, "
                 f"slots={self.num_slots} ({self.num_free} free), L={self.ring_length}, local={self.local_heads}, "
-                f"state={self.state_dtype}, cache={self.cache_dtype}, debug={self.debug})")
+                f"state={self.state_dtype}, cache={self.cache_dtype}, gate_lower_bound={self.gate_lower_bound}, "
+                f"debug={self.debug})")
 
     # ---- allocation -----------------------------------------------------------------------------
 
@@ -263,7 +283,7 @@ class ReplaySSMStatePool:
 
     def read_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The current state ``[n, HV_l, V, K]`` fp32 of ``slots [n]`` in ``layer``: checkpoint plus the
-        replayed ring entries ``j < cursor``. Changes nothing."""
+        replayed ring entries ``j < cursor`` (in the pool's ring layout). Changes nothing."""
         self._check_layer(layer, "read_state")
         self._check_ids(slots, "read_state", (torch.int32, torch.int64))
         if self.debug:
@@ -271,6 +291,11 @@ class ReplaySSMStatePool:
         with self._guard():
             idx = slots.long()
             views = self._views[layer]
+            if self.predecayed:
+                return replay_predecayed_ring(
+                    views.checkpoint.index_select(0, idx), views.d_cache.index_select(0, idx),
+                    views.k_cache.index_select(0, idx), views.g_cache.index_select(0, idx),
+                    self.cursors.index_select(0, idx))
             return replay_ring(
                 views.checkpoint.index_select(0, idx),
                 views.d_cache.index_select(0, idx),
@@ -301,8 +326,13 @@ class ReplaySSMStatePool:
         ``mixed_qkv [B, 2*H_l*K + HV_l*V]``, ``a [B, HV_l*K]`` or ``[B, HV_l, K]``, ``b [B, HV_l]``,
         ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` or ``[HV_l, K]``, ``slots [B]`` int32 (``< 0`` = padding),
         ``force_flush [B]`` int32 or None. Returns ``out [B, 1, HV_l, V]`` (allocated in
-        ``mixed_qkv.dtype`` when None). Does not move the cursors: call :meth:`advance` once per step."""
+        ``mixed_qkv.dtype`` when None). Does not move the cursors: call :meth:`advance` once per step.
+        A pool built with ``gate_lower_bound`` takes only that ``lower_bound``."""
         self._check_layer(layer, "decode")
+        if self.predecayed and lower_bound != self.gate_lower_bound:
+            raise ValueError(
+                f"ReplaySSMStatePool.decode: `lower_bound` must be the pool's gate_lower_bound = "
+                f"{self.gate_lower_bound!r} (its rings store keys pre-decayed under that bound); got {lower_bound!r}")
         with self._guard():
             if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
                 out = torch.empty(mixed_qkv.shape[0], 1, self.local_heads.num_v_heads, self.local_heads.value_dim,
@@ -322,7 +352,7 @@ class ReplaySSMStatePool:
             ops.decode_with_cursor_table(
                 mixed_qkv, a, b, A_log, dt_bias, scale, views.checkpoint, views.d_cache, views.k_cache,
                 views.g_cache, out, slots, self.cursors, force_flush=force_flush,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound, predecayed=self.predecayed,
             )
         return out
 

@@ -54,6 +54,26 @@ def replay_ring(
     return S0.float() * total.exp()[:, :, None, :] + torch.einsum("nhlv,nhlk->nhvk", d, k_decayed)
 
 
+def replay_predecayed_ring(
+    S0: torch.Tensor,
+    d: torch.Tensor,
+    kt: torch.Tensor,
+    G: torch.Tensor,
+    cursor: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`replay_ring` for the pre-decayed layout (:func:`replayssm_decode_predecayed`): ``kt [n, HV, L, K]``
+    holds ``k_j * exp(-G_j)``, ``G [n, HV, L, K]`` the cumulative gates ``G_j = g_0 + ... + g_j``. With
+    ``tot = G_{c-1}`` (0 for an empty ring): ``Sc = (S0 + sum_{j<c} d_j (outer) kt_j) * exp(tot)``."""
+    L = d.shape[2]
+    c = cursor.long()
+    valid = (torch.arange(L, device=cursor.device)[None, :] < c[:, None])[:, None, :, None]
+    last = (c - 1).clamp(min=0)[:, None, None, None].expand(-1, G.shape[1], 1, G.shape[3])
+    tot = torch.where(c[:, None, None] > 0, G.float().gather(2, last)[:, :, 0], 0.0)  # [n, HV, K]
+    kt = torch.where(valid, kt.float(), 0.0)
+    d = torch.where(valid, d.float(), 0.0)
+    return (S0.float() + torch.einsum("nhlv,nhlk->nhvk", d, kt)) * tot.exp()[:, :, None, :]
+
+
 def replayssm_decode(
     mixed_qkv: torch.Tensor,
     a: torch.Tensor,
@@ -78,9 +98,42 @@ def replayssm_decode(
     A row whose cursor is ``L-1`` or whose ``force_flush`` is nonzero writes its new state into the
     checkpoint; any other row appends ``(delta, k, g)`` at ring position ``write_pos``.
     """
+    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False)
+
+
+def replayssm_decode_predecayed(
+    mixed_qkv: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor,
+    d_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    g_cache: torch.Tensor,
+    out: torch.Tensor,
+    ssm_state_indices: torch.Tensor,
+    write_pos: torch.Tensor,
+    force_flush: torch.Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replayssm_decode` on the pre-decayed ring layout (``tp_replayssm.ops.replayssm_decode_predecayed``):
+    ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the cumulative gates
+    ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)`` (rounded to the cache
+    dtype). Same math otherwise; needs ``(L-1) * |lower_bound| <= 80``."""
+    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
+
+
+def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,  # noqa: ANN001
+            ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound,
+            predecayed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     dims = validate_decode_inputs(
         mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-        ssm_state_indices, write_pos, force_flush, lower_bound,
+        ssm_state_indices, write_pos, force_flush, lower_bound, predecayed=predecayed,
     )
     B, H, HV, K, V, L, r = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim,
                             dims.value_dim, dims.ring_length, dims.group)
@@ -100,9 +153,10 @@ def replayssm_decode(
     qv = q[rows].repeat_interleave(r, dim=1)  # [n, HV, K]
     kv = k[rows].repeat_interleave(r, dim=1)
     gv = g[rows]
-    Sc = replay_ring(
-        initial_state[s], d_cache[s], k_cache[s].repeat_interleave(r, dim=1), g_cache[s], c
-    )
+    if predecayed:
+        Sc = replay_predecayed_ring(initial_state[s], d_cache[s], k_cache[s], g_cache[s], c)
+    else:
+        Sc = replay_ring(initial_state[s], d_cache[s], k_cache[s].repeat_interleave(r, dim=1), g_cache[s], c)
     S_decayed = Sc * gv.exp()[:, :, None, :]
     delta = beta[rows][:, :, None] * (v[rows] - (S_decayed @ kv[..., None])[..., 0])  # [n, HV, V]
     S_new = S_decayed + delta[..., None] * kv[:, :, None, :]
@@ -118,7 +172,14 @@ def replayssm_decode(
     f, nf = flush.nonzero().squeeze(1), (~flush).nonzero().squeeze(1)
     initial_state[s[f]] = S_new[f].to(initial_state.dtype)
     d_cache[s[nf], :, c[nf]] = delta[nf].to(d_cache.dtype)
-    g_cache[s[nf], :, c[nf]] = gv[nf]
-    # every value head of a q/k head carries the same key: store it once per q/k head
-    k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
+    if predecayed:  # G_c = G_{c-1} + g (tot, 0 for an empty ring) and k * exp(-G_c), per value head
+        last = (c[nf] - 1).clamp(min=0)
+        tot = torch.where((c[nf] > 0)[:, None, None], g_cache[s[nf], :, last].float(), 0.0)
+        g_cum = tot + gv[nf]
+        g_cache[s[nf], :, c[nf]] = g_cum
+        k_cache[s[nf], :, c[nf]] = (kv[nf] * torch.exp(-g_cum)).to(k_cache.dtype)
+    else:
+        g_cache[s[nf], :, c[nf]] = gv[nf]
+        # every value head of a q/k head carries the same key: store it once per q/k head
+        k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
     return out, initial_state

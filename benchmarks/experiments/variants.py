@@ -24,7 +24,7 @@ KERNEL = Path(__file__).resolve().parents[2] / "tp_replayssm" / "kernel.py"
 
 _FORWARD_SCAN = "        after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)"
 _REVERSE_SCAN = "        after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j"
-_KEYS = "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan"
+_KEYS = "                kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan"
 _SETTINGS = "_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)"
 _REGISTER_LOOP = (
     "                else:  # row reductions in registers, the next chunk's loads in flight\n"
@@ -55,7 +55,7 @@ VARIANTS: dict[str, Variant] = {
         (_REVERSE_SCAN, "        after = g_ring  # VARIANT: no scan"),
     ), True),
     "no_ring_prologue": Variant("the decayed keys set to zero: no ring loads or decays in the prologue", (
-        (_KEYS, "            kdec = g_ring * 0.0  # VARIANT: no ring prologue\n            tot = g * 0.0"),
+        (_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
     ), True),
     "no_chunk_ring": Variant("the per-chunk ring term dropped (the ring prologue still feeds the flush)", (
         ("    spk = torch.sum(S0 * ak, dim=1) + torch.sum(d_ring * wk, dim=0)\n"
@@ -67,15 +67,15 @@ VARIANTS: dict[str, Variant] = {
                                      "(k_j * exp(-G_j)) and cumulative gates G_j: no scan and no exp per entry, only "
                                      "the masked keys and one gate row; the time a pool-side ring layout could reach "
                                      "(the op's SPEC layout stores k and g as they come)", (
-        (_KEYS, "            kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)  # VARIANT: pre-decayed keys\n"
-                "            tot = torch.sum(torch.where(valid[:, None], g_ring, 0.0), dim=0)  # (stands for the row G[c-1])"),
+        (_KEYS, "                kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)  # VARIANT: pre-decayed keys\n"
+                "                tot = torch.sum(torch.where(valid[:, None], g_ring, 0.0), dim=0)  # (stands for the row G[c-1])"),
     ), True),
     "reverse_scan": Variant("the batch path's suffix sums as a reverse hl.cumsum (the kernel of 28b41a1)", (
-        (_KEYS, "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, True)  # VARIANT: reverse scan always"),
+        (_KEYS, "                kdec, tot = _decayed_keys(g_ring, k_ring, valid, True)  # VARIANT: reverse scan always"),
     ), False),
     "forward_scan": Variant("the ring's suffix sums as the forward scan on every path (with --tiny-batch on: whole-ring "
                             "loads without the reverse scan)", (
-        (_KEYS, "            kdec, tot = _decayed_keys(g_ring, k_ring, valid, False)  # VARIANT: forward scan always"),
+        (_KEYS, "                kdec, tot = _decayed_keys(g_ring, k_ring, valid, False)  # VARIANT: forward scan always"),
     ), False),
     "dot_suffix_sum": Variant("the batch path's suffix sums as a 3xTF32 tensor-core product with a 0/1 "
                               "upper-triangular matrix", (
