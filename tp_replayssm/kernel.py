@@ -38,6 +38,16 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
 launch, no second read of the checkpoint, no scratch buffer.
 
+Pre-decayed ring layout (``predecayed_ring``; the pool's under ``gate_lower_bound``, the op
+``ops.replayssm_decode_predecayed``). The g ring holds cumulative gates ``G_j = g_0 + ... + g_j`` since the
+last flush and the k ring, one per VALUE head, the keys ``kt_j = k_j * exp(-G_j)``. Then ``tot = G_{c-1}``
+is one row, the decayed keys are ``kt_j * exp(tot)``, and ``wk = Kt @ (exp(tot)*eg*k)``: step 1 loses the
+scan, the exp per entry and key, and one pass over the ring (in the SASS of the one-warp program, the
+bound of this prologue was about 970 instructions shorter: thirteenth session). An append writes ``G_c = tot + g`` and
+``k * exp(-G_c)``; the flush's ``Kf = kt_j * exp(tot + g)``. ``exp(-G)`` stays finite only under a bounded
+gate: ``(L-1) * |lower_bound| <= 80`` (``_validation.PREDECAYED_MAX_LOG_DECAY``). On the H200 it took 10-35%
+off the step at lower_bound = -5 (benchmarks/RESULTS.md, fourteenth session).
+
 Launch overlap. On sm_90+ the kernel is launched with programmatic dependent launch (PDL): each program
 first waits (``griddepcontrol.wait``) until the previous kernel in the stream has completed and its
 memory is visible, then lets the next PDL-launched kernel start launching. Nothing is read before the

@@ -20,7 +20,7 @@ With ``gate_lower_bound`` (every decode of the pool passes that ``lower_bound``)
 pre-decayed layout of :func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the
 cumulative gates ``G_j`` since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys
 ``k_j * exp(-G_j)`` per value head, so a decode step needs no scan over the ring and no exp per ring entry
-(10-26% faster at B <= 32 on the H200, benchmarks/RESULTS.md). That needs ``(L-1) * |gate_lower_bound| <= 80``
+(10-35% faster at every shape timed on the H200, benchmarks/RESULTS.md, fourteenth session). That needs ``(L-1) * |gate_lower_bound| <= 80``
 and a bf16 or fp32 cache; ``read_state``, ``load_state`` and ``alloc`` follow the layout.
 
 The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
@@ -62,7 +62,8 @@ class PoolExhaustedError(RuntimeError):
 class LayerViews(NamedTuple):
     """One layer's views into the pool: ``checkpoint [S, HV_l, V, K]``, ``d_cache [S, HV_l, L, V]``,
     ``k_cache [S, H_l, L, K]`` (``[S, HV_l, L, K]`` in the pre-decayed layout), ``g_cache [S, HV_l, L, K]``
-    (the op's ``initial_state`` and rings)."""
+    (the op's ``initial_state`` and rings; a pre-decayed pool's go to ``ops.replayssm_decode_predecayed``,
+    not to the SPEC op)."""
 
     checkpoint: torch.Tensor
     d_cache: torch.Tensor
