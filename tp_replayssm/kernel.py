@@ -43,10 +43,10 @@ Pre-decayed ring layout (``predecayed_ring``; the pool's under ``gate_lower_boun
 last flush and the k ring, one per VALUE head, the keys ``kt_j = k_j * exp(-G_j)``. Then ``tot = G_{c-1}``
 is one row, the decayed keys are ``kt_j * exp(tot)``, and ``wk = Kt @ (exp(tot)*eg*k)``: step 1 loses the
 scan, the exp per entry and key, and one pass over the ring (in the SASS of the one-warp program, the
-bound of this prologue was about 970 instructions shorter: thirteenth session). An append writes ``G_c = tot + g`` and
-``k * exp(-G_c)``; the flush's ``Kf = kt_j * exp(tot + g)``. ``exp(-G)`` stays finite only under a bounded
-gate: ``(L-1) * |lower_bound| <= 80`` (``_validation.PREDECAYED_MAX_LOG_DECAY``). On the H200 it took 10-35%
-off the step at lower_bound = -5 (benchmarks/RESULTS.md, fourteenth session).
+bound of this prologue was about 970 instructions shorter: thirteenth session). An append writes
+``G_c = tot + g`` and ``k * exp(-G_c)``; the flush's ``Kf = kt_j * exp(tot + g)``. ``exp(-G)`` stays finite
+only under a bounded gate: ``(L-1) * |lower_bound| <= 80`` (``_validation.PREDECAYED_MAX_LOG_DECAY``). On the
+H200 it took 10-35% off the step at lower_bound = -5 (benchmarks/RESULTS.md, fourteenth session).
 
 Launch overlap. On sm_90+ the kernel is launched with programmatic dependent launch (PDL): each program
 first waits (``griddepcontrol.wait``) until the previous kernel in the stream has completed and its

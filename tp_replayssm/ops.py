@@ -4,6 +4,7 @@ Validates every argument (``ValueError`` before anything is written), builds the
 without copying any cache, and launches the kernel of :mod:`tp_replayssm.kernel` on
 the inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
 without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
+:func:`replayssm_decode_predecayed` is the same op on the pool's pre-decayed ring layout (bounded gates).
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ With ``gate_lower_bound`` (every decode of the pool passes that ``lower_bound``)
 pre-decayed layout of :func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the
 cumulative gates ``G_j`` since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys
 ``k_j * exp(-G_j)`` per value head, so a decode step needs no scan over the ring and no exp per ring entry
-(10-35% faster at every shape timed on the H200, benchmarks/RESULTS.md, fourteenth session). That needs ``(L-1) * |gate_lower_bound| <= 80``
-and a bf16 or fp32 cache; ``read_state``, ``load_state`` and ``alloc`` follow the layout.
+(10-35% faster at every shape timed on the H200, benchmarks/RESULTS.md, fourteenth session). That needs
+``(L-1) * |gate_lower_bound| <= 80`` and a bf16 or fp32 cache; ``read_state``, ``load_state`` and ``alloc``
+follow the layout.
 
 The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
 by slot (no gather); :meth:`advance`, once per model step after every layer decoded, moves them
