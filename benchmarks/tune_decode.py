@@ -44,15 +44,22 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * 4 / statistics.median(times)
 
 
-def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_sets: int, K: int = 128, V: int = 128):
+def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_sets: int, K: int = 128, V: int = 128,
+                 predecayed: bool = False, device: str = "cuda"):
+    """Caches of ``n_sets`` disjoint slot sets, inputs per cursor phase; ``predecayed``: the pool's pre-decayed ring
+    layout (cumulative gates, keys ``k * exp(-G)`` per value head)."""
     from tp_replayssm.testing import random_decode_inputs, random_head_params
 
     S = B * n_sets
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     st = (0.05 * torch.randn(S, HV, V, K, device=dev)).to(state_dtype)
     d = (0.05 * torch.randn(S, HV, L, V, device=dev)).bfloat16()
-    kc = (0.1 * torch.randn(S, H, L, K, device=dev)).bfloat16()
+    kc = 0.1 * torch.randn(S, HV if predecayed else H, L, K, device=dev)
     g = -0.05 * torch.rand(S, HV, L, K, device=dev)
+    if predecayed:
+        g = g.cumsum(2)
+        kc = kc * torch.exp(-g)
+    kc = kc.bfloat16()
     p = random_head_params(HV, K, device=dev)
     inputs = [random_decode_inputs(B, H, HV, K, V, device=dev) for _ in range(L)]
     out = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device=dev)
@@ -116,8 +123,12 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20, min_launches: int = 2
     return statistics.median(times)
 
 
-def op_launch(choice):  # noqa: ANN001 - a configs.LaunchChoice, or None for the library's own
+def op_launch(choice, predecayed: bool = False, lower_bound: float | None = None):  # noqa: ANN001 - a LaunchChoice
+    """The op's launch of one step under ``choice`` (None: the library's own); ``predecayed``: the pre-decayed
+    ring layout's op (``lower_bound`` required)."""
     from tp_replayssm import configs, ops
+
+    op = ops.replayssm_decode_predecayed if predecayed else ops.replayssm_decode
 
     def launch(prob: dict, slots: torch.Tensor, c: int) -> None:
         inp = prob["inputs"][c]
@@ -125,8 +136,8 @@ def op_launch(choice):  # noqa: ANN001 - a configs.LaunchChoice, or None for the
         if choice is not None:
             configs.FORCED = choice
         try:
-            ops.replayssm_decode(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, prob["st"], prob["d"],
-                                 prob["kc"], prob["g"], prob["out"], slots, prob["cursors"][c], None, True, None)
+            op(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, prob["st"], prob["d"],
+               prob["kc"], prob["g"], prob["out"], slots, prob["cursors"][c], None, True, lower_bound)
         finally:
             configs.FORCED = None
 
@@ -205,6 +216,9 @@ def main() -> None:
                     help="also time this candidate kernel file or variant:NAME (repeatable); the library "
                          "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
+    ap.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
+                    help="the rings' layout: SPEC section 1's, or the pool's pre-decayed one (needs --lower-bound)")
+    ap.add_argument("--lower-bound", type=float, default=None, help="the gate's lower_bound (default: none)")
     ap.add_argument("--tag", default="tune", help="name of the results file, $OUT/<tag>.json (default tune): "
                                                   "runs that share $OUT, at once or in turn, each keep their own")
     ap.add_argument("--footprint-mib", type=float, default=240.0,
@@ -218,6 +232,9 @@ def main() -> None:
     ap.add_argument("--override-kernels", nargs="+", default=None, metavar="NAME",
                     help="the kernels (names from --kernel, 'lib') that run the --override choices; default all")
     args = ap.parse_args()
+    predecayed = args.ring_layout == "predecayed"
+    if predecayed and args.lower_bound is None:
+        ap.error("--ring-layout predecayed needs --lower-bound (e.g. -5)")
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from experiments.variants import load_kernel
@@ -235,7 +252,7 @@ def main() -> None:
             continue
         sdt = torch.float32 if sname == "fp32" else torch.bfloat16
         n_sets = slot_sets(B, HV, args.ring, sdt, args.footprint_mib)
-        prob = make_problem(B, HV, HV, args.ring, sdt, n_sets)
+        prob = make_problem(B, HV, HV, args.ring, sdt, n_sets, predecayed=predecayed)
         cands = [None] if args.default_only else [None] + [
             configs.LaunchChoice(configs.launch_config(c[0], c[2], (c + (0, 0))[4] or None), c[1],
                                  (c + (0,))[3] or None)
@@ -254,7 +271,7 @@ def main() -> None:
             if kname != "lib":
                 name = f"{kname}:{name}"
             try:
-                us = time_cycle(prob, op_launch(cfg), args.ring)
+                us = time_cycle(prob, op_launch(cfg, predecayed, args.lower_bound), args.ring)
             except Exception as exc:  # noqa: BLE001 - record and go on
                 print(f"HV={HV} B={B} {sname} {name}: FAILED {type(exc).__name__}: {str(exc)[-300:]}", flush=True)
                 continue

@@ -177,3 +177,30 @@ def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
     out = tmp_path / "t.md"
     assert plot_results.main([str(first), str(second), "--table", str(out), "--no-plots"]) == 0
     assert out.read_text().splitlines() == table
+
+
+def test_tune_decode_predecayed_problem_runs_the_layouts_op() -> None:
+    """``tune_decode.py --ring-layout predecayed``: the problem's rings are a consistent pre-decayed layout (keys
+    per value head, ``kt * exp(G)`` unit-scale keys) and ``op_launch`` runs the layout's op on them, matching
+    its reference (interpreter, tiny shape, every cursor phase)."""
+    import torch
+
+    import tune_decode
+    from tp_replayssm import reference
+
+    prob = tune_decode.make_problem(2, 1, 2, 3, torch.float32, 1, K=16, V=16, predecayed=True, device="cpu")
+    assert prob["kc"].shape == (2, 2, 3, 16)
+    assert torch.isfinite(prob["kc"].float() * torch.exp(prob["g"])).all()
+    launch = tune_decode.op_launch(None, predecayed=True, lower_bound=-5.0)
+    slots = prob["slot_sets"][0]
+    for c in range(3):
+        want = {k: prob[k].clone() for k in ("st", "d", "kc", "g")}
+        out = torch.empty_like(prob["out"])
+        inp, p = prob["inputs"][c], prob["p"]
+        reference.replayssm_decode_predecayed(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, want["st"],
+                                              want["d"], want["kc"], want["g"], out, slots, prob["cursors"][c], None,
+                                              True, -5.0)
+        launch(prob, slots, c)
+        torch.testing.assert_close(prob["out"].float(), out.float(), rtol=2e-2, atol=2e-3)
+        for k in want:
+            torch.testing.assert_close(prob[k].float(), want[k].float(), rtol=2**-7, atol=1e-5)
