@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from bench_plan import Shape
+from tp_replayssm.reference import predecay_rings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -60,9 +61,8 @@ class Buffers:
         k = torch.randn(S, KH, L, K, device=device, dtype=torch.float32, generator=gen)
         k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
         self.g = torch.rand(S, HV, L, K, device=device, dtype=torch.float32, generator=gen).mul_(-0.2).sub_(0.01)
-        if self.predecayed:  # G_j = g_0 + ... + g_j and k_j * exp(-G_j)
-            self.g = self.g.cumsum(2)
-            k = k * torch.exp(-self.g)
+        if self.predecayed:
+            k, self.g = predecay_rings(k, self.g)
         self.k = k.to(cdt)
         del k
         self.A_log = torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen)

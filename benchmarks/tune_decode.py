@@ -48,6 +48,7 @@ def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_se
                  predecayed: bool = False, device: str = "cuda"):
     """Caches of ``n_sets`` disjoint slot sets, inputs per cursor phase; ``predecayed``: the pool's pre-decayed ring
     layout (cumulative gates, keys ``k * exp(-G)`` per value head)."""
+    from tp_replayssm.reference import predecay_rings
     from tp_replayssm.testing import random_decode_inputs, random_head_params
 
     S = B * n_sets
@@ -57,8 +58,7 @@ def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_se
     kc = 0.1 * torch.randn(S, HV if predecayed else H, L, K, device=dev)
     g = -0.05 * torch.rand(S, HV, L, K, device=dev)
     if predecayed:
-        g = g.cumsum(2)
-        kc = kc * torch.exp(-g)
+        kc, g = predecay_rings(kc, g)
     kc = kc.bfloat16()
     p = random_head_params(HV, K, device=dev)
     inputs = [random_decode_inputs(B, H, HV, K, V, device=dev) for _ in range(L)]

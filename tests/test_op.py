@@ -40,17 +40,34 @@ def test_kernel_matches_reference_and_plain_recurrence(name: str) -> None:
     assert worst.state_vs_plain64 <= state_limit, worst
 
 
+PREDECAYED_CASES = {
+    # GQA r=2 (keys per value head), bf16 rings and activations, fp32 checkpoint, l2norm
+    "gqa-bf16ring-fp32state": Scenario(lower_bound=-5.0, predecayed=True),
+    # all fp32 (the rank-1 replay flush of non-bf16 rings), no l2norm, L=5 at the largest bound it allows:
+    # (L-1) * 20 = 80, keys up to exp(80)
+    "fp32-widest-bound": Scenario(H=4, HV=4, L=5, act_dtype=torch.float32, cache_dtype=torch.float32, l2norm=False,
+                                  lower_bound=-20.0, predecayed=True, steps=8, flush_prob=0.1),
+}
+
+# the kernel-path cases, both ring layouts
+PATH_CASES = {**{n: CASES[n] for n in ("gqa-bf16ring-fp32state", "strided-layer-view-2-vtiles")},
+              **{f"predecayed-{n}": sc for n, sc in PREDECAYED_CASES.items()}}
+
+
 @pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
-@pytest.mark.parametrize("name", ["gqa-bf16ring-fp32state", "strided-layer-view-2-vtiles"])
+@pytest.mark.parametrize("name", list(PATH_CASES))
 def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, tiny: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's two constexpr paths (configs.tiny_batch): live-entry ring loads with the forward-scan
     suffix sums, and whole-ring loads (before the cursor is known) with the reverse scan. Ring entries
     past each cursor are NaN in the scenario, so a missing mask shows up as non-finite output; the
-    all-fp32 case holds both suffix-sum forms to 1e-4 of the float64 recurrence."""
+    all-fp32 cases hold both suffix-sum forms to 1e-4 of the float64 recurrence. In both ring layouts:
+    ``replayssm_decode_predecayed`` (cumulative gates, keys ``k * exp(-G)`` per value head) against its
+    reference and the float64 recurrence read back through ``replay_predecayed_ring``; row 0 of an empty
+    ring, which that kernel loads for ``G_{c-1}``, is NaN too and must be masked."""
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
-    sc = CASES[name]
-    worst = run_scenario(sc, ops.replayssm_decode)
+    sc = PATH_CASES[name]
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed if sc.predecayed else ops.replayssm_decode)
     assert worst.flushes > 0 and worst.appends > 0
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     limit = 3e-2 if sc.cache_dtype == torch.bfloat16 else 1e-4
@@ -340,32 +357,7 @@ def test_interpreter_shim_multiplies_bf16_dot_operands_as_values() -> None:
 
 
 # ---------------------------------------------------------------- the pre-decayed ring layout
-
-PREDECAYED_CASES = {
-    # GQA r=2 (keys per value head), bf16 rings and activations, fp32 checkpoint, l2norm
-    "gqa-bf16ring-fp32state": Scenario(lower_bound=-5.0, predecayed=True),
-    # all fp32 (the rank-1 replay flush of non-bf16 rings), no l2norm, L=5 at the largest bound it allows:
-    # (L-1) * 20 = 80, keys up to exp(80)
-    "fp32-widest-bound": Scenario(H=4, HV=4, L=5, act_dtype=torch.float32, cache_dtype=torch.float32, l2norm=False,
-                                  lower_bound=-20.0, predecayed=True, steps=8, flush_prob=0.1),
-}
-
-
-@pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
-@pytest.mark.parametrize("name", list(PREDECAYED_CASES))
-def test_predecayed_layout_kernel_matches_its_reference_and_plain_recurrence(
-        name: str, tiny: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``replayssm_decode_predecayed`` (cumulative gates, keys ``k * exp(-G)`` per value head) against its
-    reference and the float64 plain recurrence (read back through ``replay_predecayed_ring``), on both
-    kernel paths; NaN ring entries past each cursor (row 0 of an empty ring included, which the kernel
-    loads for ``G_{c-1}`` and must mask) and sentinel slots as in every scenario."""
-    monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
-    sc = PREDECAYED_CASES[name]
-    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
-    assert worst.flushes > 0 and worst.appends > 0
-    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
-    limit = 3e-2 if sc.cache_dtype == torch.bfloat16 else 1e-4
-    assert worst.out_vs_plain64 <= limit and worst.state_vs_plain64 <= limit, worst
+# (its kernel-path cases, PREDECAYED_CASES, run with the SPEC layout's in test_both_kernel_paths_...)
 
 
 def test_predecayed_layout_tensor_core_chunks_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -233,7 +233,7 @@ def replayssm_decode_kernel(
                 aq = et * xq
                 wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
                 wq = torch.sum(kdec * aq[None, :], dim=1)
-            else:
+            else:  # (spelled apart from the branch above: this statement order keeps the SPEC path's registers)
                 kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
                 xk = eg * k
                 xq = eg * q

@@ -142,7 +142,6 @@ class ReplaySSMStatePool:
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
         self.state_dtype, self.cache_dtype = state_dtype, cache_dtype
         self.gate_lower_bound = gate_lower_bound
-        self.predecayed = gate_lower_bound is not None  # the ring layout (module docstring)
         self.device = _resolve_device(device)
         self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
 
@@ -181,6 +180,11 @@ class ReplaySSMStatePool:
         """The views of one layer (validated index)."""
         self._check_layer(layer, "layer")
         return self._views[layer]
+
+    @property
+    def predecayed(self) -> bool:
+        """The rings use the pre-decayed layout (built with ``gate_lower_bound``; module docstring)."""
+        return self.gate_lower_bound is not None
 
     @property
     def num_free(self) -> int:
@@ -292,19 +296,10 @@ class ReplaySSMStatePool:
             self._debug_check_slots(slots, "read_state", allow_padding=False, unique=False)
         with self._guard():
             idx = slots.long()
-            views = self._views[layer]
+            S0, d, k, g, cursor = (t.index_select(0, idx) for t in (*self._views[layer], self.cursors))
             if self.predecayed:
-                return replay_predecayed_ring(
-                    views.checkpoint.index_select(0, idx), views.d_cache.index_select(0, idx),
-                    views.k_cache.index_select(0, idx), views.g_cache.index_select(0, idx),
-                    self.cursors.index_select(0, idx))
-            return replay_ring(
-                views.checkpoint.index_select(0, idx),
-                views.d_cache.index_select(0, idx),
-                views.k_cache.index_select(0, idx).repeat_interleave(self.local_heads.group, dim=1),
-                views.g_cache.index_select(0, idx),
-                self.cursors.index_select(0, idx),
-            )
+                return replay_predecayed_ring(S0, d, k, g, cursor)
+            return replay_ring(S0, d, k.repeat_interleave(self.local_heads.group, dim=1), g, cursor)
 
     # ---- the decode step ------------------------------------------------------------------------
 

@@ -54,6 +54,21 @@ def replay_ring(
     return S0.float() * total.exp()[:, :, None, :] + torch.einsum("nhlv,nhlk->nhvk", d, k_decayed)
 
 
+def last_cumulative_gate(G: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
+    """``tot = G_{c-1} [n, HV, K]`` (fp32) of a pre-decayed g ring ``G [n, HV, L, K]`` at ``cursor [n]``: the sum of
+    the ring's live gates, 0 for an empty ring (entry 0 is then never read: it may hold anything)."""
+    c = cursor.long()
+    last = (c - 1).clamp(min=0)[:, None, None, None].expand(-1, G.shape[1], 1, G.shape[3])
+    return torch.where(c[:, None, None] > 0, G.float().gather(2, last)[:, :, 0], 0.0)
+
+
+def predecay_rings(k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC-layout rings of entries all live, ``k [n, HV, L, K]`` (already per value head) and log-gates
+    ``g [n, HV, L, K]``, in the pre-decayed layout: ``(k_j * exp(-G_j), G_j = g_0 + ... + g_j)``, fp32."""
+    G = g.float().cumsum(2)
+    return k.float() * torch.exp(-G), G
+
+
 def replay_predecayed_ring(
     S0: torch.Tensor,
     d: torch.Tensor,
@@ -65,10 +80,8 @@ def replay_predecayed_ring(
     holds ``k_j * exp(-G_j)``, ``G [n, HV, L, K]`` the cumulative gates ``G_j = g_0 + ... + g_j``. With
     ``tot = G_{c-1}`` (0 for an empty ring): ``Sc = (S0 + sum_{j<c} d_j (outer) kt_j) * exp(tot)``."""
     L = d.shape[2]
-    c = cursor.long()
-    valid = (torch.arange(L, device=cursor.device)[None, :] < c[:, None])[:, None, :, None]
-    last = (c - 1).clamp(min=0)[:, None, None, None].expand(-1, G.shape[1], 1, G.shape[3])
-    tot = torch.where(c[:, None, None] > 0, G.float().gather(2, last)[:, :, 0], 0.0)  # [n, HV, K]
+    valid = (torch.arange(L, device=cursor.device)[None, :] < cursor[:, None].long())[:, None, :, None]
+    tot = last_cumulative_gate(G, cursor)  # [n, HV, K]
     kt = torch.where(valid, kt.float(), 0.0)
     d = torch.where(valid, d.float(), 0.0)
     return (S0.float() + torch.einsum("nhlv,nhlk->nhvk", d, kt)) * tot.exp()[:, :, None, :]
@@ -173,9 +186,7 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
     initial_state[s[f]] = S_new[f].to(initial_state.dtype)
     d_cache[s[nf], :, c[nf]] = delta[nf].to(d_cache.dtype)
     if predecayed:  # G_c = G_{c-1} + g (tot, 0 for an empty ring) and k * exp(-G_c), per value head
-        last = (c[nf] - 1).clamp(min=0)
-        tot = torch.where((c[nf] > 0)[:, None, None], g_cache[s[nf], :, last].float(), 0.0)
-        g_cum = tot + gv[nf]
+        g_cum = last_cumulative_gate(g_cache[s[nf]], c[nf]) + gv[nf]
         g_cache[s[nf], :, c[nf]] = g_cum
         k_cache[s[nf], :, c[nf]] = (kv[nf] * torch.exp(-g_cum)).to(k_cache.dtype)
     else:
