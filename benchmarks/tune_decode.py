@@ -125,7 +125,7 @@ def time_cycle(prob: dict, launch, L: int, reps: int = 20, min_launches: int = 2
 
 def op_launch(choice, predecayed: bool = False, lower_bound: float | None = None):  # noqa: ANN001 - a LaunchChoice
     """The op's launch of one step under ``choice`` (None: the library's own); ``predecayed``: the pre-decayed
-    ring layout's op (``lower_bound`` required)."""
+    ring layout's op."""
     from tp_replayssm import configs, ops
 
     op = ops.replayssm_decode_predecayed if predecayed else ops.replayssm_decode
@@ -217,7 +217,7 @@ def main() -> None:
                          "kernel is 'lib'")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new shapes after this long")
     ap.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
-                    help="the rings' layout: SPEC section 1's, or the pool's pre-decayed one (needs --lower-bound)")
+                    help="the rings' layout: SPEC section 1's, or the pool's pre-decayed one")
     ap.add_argument("--lower-bound", type=float, default=None, help="the gate's lower_bound (default: none)")
     ap.add_argument("--tag", default="tune", help="name of the results file, $OUT/<tag>.json (default tune): "
                                                   "runs that share $OUT, at once or in turn, each keep their own")
@@ -233,8 +233,6 @@ def main() -> None:
                     help="the kernels (names from --kernel, 'lib') that run the --override choices; default all")
     args = ap.parse_args()
     predecayed = args.ring_layout == "predecayed"
-    if predecayed and args.lower_bound is None:
-        ap.error("--ring-layout predecayed needs --lower-bound (e.g. -5)")
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from experiments.variants import load_kernel

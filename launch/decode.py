@@ -54,9 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ring-length", type=int, default=4)
     p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    p.add_argument("--gate-lower-bound", type=float, default=None,
-                   help="decode with this bounded gate (lower_bound); the pool then keeps its rings pre-decayed "
-                        "(ReplaySSMStatePool(gate_lower_bound=...)); default: the softplus gate, SPEC ring layout")
+    p.add_argument("--lower-bound", type=float, default=None,
+                   help="decode with this bounded gate (lower_bound); default: the softplus gate")
+    p.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
+                   help="the pools' ring layout (ReplaySSMStatePool(ring_layout=...)): SPEC section 3's, or keys "
+                        "pre-decayed by cumulative gates (faster; any gate)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--min-len", type=int, default=2, help="shortest request (tokens to decode)")
@@ -141,7 +143,7 @@ class Engine:
         num_slots = args.slots or 2 * args.batch
         kw = dict(num_layers=self.num_layers, num_slots=num_slots, ring_length=args.ring_length,
                   state_dtype=getattr(torch, args.state_dtype), cache_dtype=getattr(torch, args.cache_dtype),
-                  group=dist.group.WORLD, device=self.device, gate_lower_bound=args.gate_lower_bound)
+                  group=dist.group.WORLD, device=self.device, ring_layout=args.ring_layout)
         if args.inject_fault == "same-device":  # every rank on cuda:0 (forgot set_device(local_rank))
             torch.cuda.set_device(0)
             kw["device"] = torch.device("cuda", 0)
@@ -272,7 +274,7 @@ class Engine:
                 mixed_qkv = mixed_qkv.to(self._wrong_device())
             t_dec = time.perf_counter()
             out = self.pool.decode(l, mixed_qkv, a, b, w["A_log"], w["dt_bias"], slots, force_flush=force,
-                                   lower_bound=args.gate_lower_bound)
+                                   lower_bound=args.lower_bound)
             # host time of the call: a layer's first decode runs the collective check (layer 0's also
             # compiles the kernel); later ones run none (the default check mode)
             (self.first_decode if step == 0 else self.later_decode).append((l, time.perf_counter() - t_dec))
@@ -332,7 +334,7 @@ class Engine:
             oracle.load(list(range(n)), S0)
             inputs = DecodeInputs(mixed_qkv[rows], a[rows], b[rows])
             params = HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"])
-            expect = oracle.step(inputs, params, list(range(n)), lower_bound=self.args.gate_lower_bound)
+            expect = oracle.step(inputs, params, list(range(n)), lower_bound=self.args.lower_bound)
             e_out = rel_err(out[rows, 0], expect)
             e_state = rel_err(self.pool.read_state(l, sidx), oracle.state)
             err = max(e_out, e_state)

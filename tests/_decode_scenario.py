@@ -39,8 +39,10 @@ class Scenario:
     flush_prob: float = 0.2
     seed: int = 0
     device: str = "cpu"
-    # the pre-decayed ring layout (ops/reference.replayssm_decode_predecayed): needs lower_bound
+    # the pre-decayed ring layout (ops/reference.replayssm_decode_predecayed)
     predecayed: bool = False
+    # added to every head's A_log: gates exp(shift) times stronger (pre-decayed rebases need G below -80)
+    A_log_shift: float = 0.0
 
 
 def kimi_scenario(H: int, HV: int, B: int, state_dtype: torch.dtype, device: str = "cuda") -> Scenario:
@@ -59,6 +61,7 @@ class Worst:
     state_vs_plain64: float = 0.0
     flushes: int = 0
     appends: int = 0
+    rebases: int = 0  # (row, value head) pairs of the pre-decayed layout that rebased instead of appending
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, sc: Scenario) -> torch.Tensor:
@@ -72,6 +75,8 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
     gen = torch.Generator().manual_seed(sc.seed)
     dev = torch.device(sc.device)
     params = random_head_params(sc.HV, sc.K, device=dev, generator=gen)
+    if sc.A_log_shift:
+        params = dataclasses.replace(params, A_log=params.A_log + sc.A_log_shift)
     n_active = sc.B - sc.pad_rows
     perm = torch.randperm(sc.S, generator=gen)
     active, unused = perm[:n_active], perm[n_active:]
@@ -131,6 +136,10 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
             assert torch.equal(t[unused.to(dev)], before), "an unused slot was written"
 
         flush = (cursor == sc.L - 1) | (force != 0)
+        if sc.predecayed:  # a rebase leaves G_c = 0 exactly (gates are never 0)
+            live = ~flush & ~pad
+            at_c = ref_caches[3][slots[live].long(), :, cursor[live].long()]  # [n, HV, K]
+            worst.rebases += int((at_c == 0).all(-1).sum())
         worst.flushes += int((flush & ~pad).sum())
         worst.appends += int((~flush & ~pad).sum())
         cursor = torch.where(flush, 0, cursor + 1).int()

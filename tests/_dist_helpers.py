@@ -149,7 +149,7 @@ FINGERPRINT_FAULTS = {  # fault -> (field, value on the bad rank)
     "state-dtype": ("state_dtype", "torch.bfloat16"),
     "cache-dtype": ("cache_dtype", "torch.float32"),
     "heads": ("num_v_heads", 8),
-    "ring-layout": ("gate_lower_bound", -5.0),  # one rank's pool stores pre-decayed keys
+    "ring-layout": ("ring_layout", "predecayed"),  # one rank's pool stores pre-decayed keys
 }
 
 
@@ -288,7 +288,7 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
     construct = {"pool-device": {"device": "meta"}, "ring-length": {"ring_length": 4}, "num-slots": {"num_slots": 5},
                  "num-layers": {"num_layers": 3}, "state-dtype": {"state_dtype": torch.bfloat16},
                  "cache-dtype": {"cache_dtype": torch.float32}, "tp-rank": {"tp_rank": (rank + 1) % world},
-                 "ring-layout": {"gate_lower_bound": -5.0}}
+                 "ring-layout": {"ring_layout": "predecayed"}}
     out: dict[str, tuple[str | None, float, bool]] = {}
     real_hook = placement.current_cuda_device
     for fault in faults:

@@ -247,3 +247,32 @@ def test_keys_per_value_head_count_the_predecayed_k_ring():
     same = DecodeConfig(8, 32, 32, ring_length=16)
     assert dataclasses.replace(same, keys_per_value_head=True).ring_entry_total == same.ring_entry_total
     assert replay_bytes(per_hv).total > replay_bytes(gqa).total
+
+
+def test_replay_check_accepts_rebases_and_catches_a_missing_one():
+    """``bench_decode --ring-layout predecayed --A-log-shift``: with gates strong enough that heads rebase, an
+    appending row's checkpoint is rewritten in those heads. The one-step check must pass the kernel (rebased
+    heads match the reference, the others stay bit-identical, the rebases counted) and fail an op that skips the
+    checkpoint write of a rebase."""
+    import torch
+
+    bd = _bench_decode()
+    from bench_steps import check_replay
+    from tp_replayssm import ops, reference
+
+    args = bd.parse_args(["--footprint-mb", "0.02", "--ring-layout", "predecayed", "--A-log-shift", "6"])
+    shape = bd.Shape(H=1, HV=2, B=4, L=4, state="fp32", lb=None, K=16, V=16)
+    buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
+    good = check_replay(ops.replayssm_decode_predecayed, reference.replayssm_decode_predecayed, buf, shape, True)
+    assert good["rebased"] > 0 and good["untouched_ok"] and good["pad_ok"], good
+    assert max(good["err_out"], good["err_state"], good["err_ring"]) < 1e-2, good
+
+    def no_rebase_write(*a, **kw):  # the reference, then the appending rows' checkpoints put back
+        state, slots, wp = a[6], a[11], a[12]
+        keep = (slots >= 0) & (wp != shape.L - 1)
+        saved = state[slots[keep].long()].clone()
+        reference.replayssm_decode_predecayed(*a, **kw)
+        state[slots[keep].long()] = saved
+
+    bad = check_replay(no_rebase_write, reference.replayssm_decode_predecayed, buf, shape, True)
+    assert bad["err_state"] > 1e-2, bad

@@ -43,11 +43,12 @@ def placement_error_lines(out: str, ranks: tuple[int, ...] = (0, 1)) -> list[str
 @pytest.mark.parametrize("layout", ["spec", "predecayed"])
 def test_launcher_end_to_end(layout: str) -> None:
     """Two gloo ranks decode with churn and check sampled rows against the float64 oracle; with
-    ``--gate-lower-bound`` the pools keep their rings pre-decayed (the log says which layout)."""
-    extra = ("--gate-lower-bound", "-5", "--ring-length", "3") if layout == "predecayed" else ("--ring-length", "2")
+    ``--ring-layout predecayed`` the pools keep their rings pre-decayed (the log says which layout; the softplus
+    gate, so the kernel's rebase check is compiled in)."""
+    extra = ("--ring-layout", "predecayed", "--ring-length", "3") if layout == "predecayed" else ("--ring-length", "2")
     run = _torchrun("--steps", "4", "--batch", "3", "--seed", "1", *extra)
     out = run.stdout + run.stderr
-    assert ("pre-decayed (gate_lower_bound=-5)" in out) == (layout == "predecayed"), out[-4000:]
+    assert f"{layout} ring layout" in out, out[-4000:]
     assert run.returncode == 0, out[-6000:]
     assert "RESULT: OK" in out, out[-4000:]
     assert re.search(r"throughput [0-9.]+ tokens/s", out) and re.search(r"state traffic [0-9.e+-]+ GB/s", out)

@@ -43,11 +43,25 @@ def test_kernel_matches_reference_and_plain_recurrence(name: str) -> None:
 PREDECAYED_CASES = {
     # GQA r=2 (keys per value head), bf16 rings and activations, fp32 checkpoint, l2norm
     "gqa-bf16ring-fp32state": Scenario(lower_bound=-5.0, predecayed=True),
-    # all fp32 (the rank-1 replay flush of non-bf16 rings), no l2norm, L=5 at the largest bound it allows:
-    # (L-1) * 20 = 80, keys up to exp(80)
+    # all fp32 (the rank-1 replay flush of non-bf16 rings), no l2norm, L=5 at the widest bound without a
+    # rebase: (L-1) * 18.75 = 75, keys up to exp(75)
     "fp32-widest-bound": Scenario(H=4, HV=4, L=5, act_dtype=torch.float32, cache_dtype=torch.float32, l2norm=False,
-                                  lower_bound=-20.0, predecayed=True, steps=8, flush_prob=0.1),
+                                  lower_bound=-18.75, predecayed=True, steps=8, flush_prob=0.1),
+    # softplus gates ~exp(4.5) times the usual: cumulative gates pass -75 within the ring and heads rebase
+    "gqa-rebasing-softplus": Scenario(L=8, steps=12, predecayed=True, A_log_shift=4.5, flush_prob=0.05),
+    # all fp32, the rank-1 flush, a rebase now and then among appends (held to 1e-4 of float64)
+    "fp32-rebasing-softplus": Scenario(H=4, HV=4, L=8, act_dtype=torch.float32, cache_dtype=torch.float32,
+                                       predecayed=True, A_log_shift=3.0, steps=12, flush_prob=0.05, seed=1),
 }
+
+
+def _check_rebases(sc: Scenario, rebases: int) -> None:
+    """A pre-decayed case with ``A_log_shift`` must rebase (else it tests nothing new); one whose bound allows
+    no rebase, ``(L-1) * |lower_bound| <= 75``, must not."""
+    if sc.A_log_shift:
+        assert rebases > 0, "the rebasing case never rebased"
+    elif sc.predecayed and sc.lower_bound is not None and (sc.L - 1) * abs(sc.lower_bound) <= 75:
+        assert rebases == 0, f"{rebases} rebases under a bound that allows none"
 
 # the kernel-path cases, both ring layouts
 PATH_CASES = {**{n: CASES[n] for n in ("gqa-bf16ring-fp32state", "strided-layer-view-2-vtiles")},
@@ -64,11 +78,14 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
     all-fp32 cases hold both suffix-sum forms to 1e-4 of the float64 recurrence. In both ring layouts:
     ``replayssm_decode_predecayed`` (cumulative gates, keys ``k * exp(-G)`` per value head) against its
     reference and the float64 recurrence read back through ``replay_predecayed_ring``; row 0 of an empty
-    ring, which that kernel loads for ``G_{c-1}``, is NaN too and must be masked."""
+    ring, which that kernel loads for ``G_{c-1}``, is NaN too and must be masked. The rebasing cases (softplus
+    gates strong enough that ``G`` passes -75 inside a ring cycle) zero a head's deltas, so its older keys, up
+    to exp(75), must contribute exactly 0."""
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
     sc = PATH_CASES[name]
     worst = run_scenario(sc, ops.replayssm_decode_predecayed if sc.predecayed else ops.replayssm_decode)
     assert worst.flushes > 0 and worst.appends > 0
+    _check_rebases(sc, worst.rebases)
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     limit = 3e-2 if sc.cache_dtype == torch.bfloat16 else 1e-4
     assert worst.out_vs_plain64 <= limit and worst.state_vs_plain64 <= limit, worst
@@ -371,10 +388,15 @@ def test_predecayed_layout_tensor_core_chunks_match_reference(monkeypatch: pytes
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
-def test_predecayed_reference_matches_plain_recurrence_tightly_in_fp32() -> None:
-    sc = Scenario(act_dtype=torch.float32, cache_dtype=torch.float32, steps=10, flush_prob=0.3, lower_bound=-5.0,
-                  predecayed=True)
+@pytest.mark.parametrize("gate", ["bounded", "rebasing-softplus"])
+def test_predecayed_reference_matches_plain_recurrence_tightly_in_fp32(gate: str) -> None:
+    sc = Scenario(act_dtype=torch.float32, cache_dtype=torch.float32, steps=10, flush_prob=0.3, predecayed=True)
+    if gate == "bounded":
+        sc = dataclasses.replace(sc, lower_bound=-5.0)
+    else:  # unbounded gates, strong enough that heads rebase between flushes
+        sc = dataclasses.replace(sc, L=8, steps=14, flush_prob=0.05, A_log_shift=3.5)
     worst = run_scenario(sc, reference.replayssm_decode_predecayed)
+    _check_rebases(sc, worst.rebases)
     assert worst.out_vs_plain64 < 1e-5 and worst.state_vs_plain64 < 1e-5, worst
 
 
@@ -383,8 +405,7 @@ def _predecayed_tensors(**overrides: object) -> dict[str, object]:
 
 
 PREDECAYED_BAD_INPUTS = {
-    "lower_bound-none": (dict(lower_bound=None), "finite float.*None"),
-    "lower_bound-too-wide": (dict(lower_bound=-27.0), r"\(L-1\) \* \|lower_bound\| = 81"),
+    "lower_bound-nan": (dict(lower_bound=float("nan")), "None or a finite float.*nan"),
     "k_cache-per-qk-head": (dict(k_cache=torch.randn(S, H, L, K, dtype=torch.bfloat16)), r"\[5, 2, 4, 16\]"),
     "mixed_qkv-width": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V + K, dtype=torch.bfloat16)), "width 144"),
 }
@@ -409,3 +430,14 @@ def test_predecayed_layout_refuses_fp16_rings() -> None:
                             k_cache=torch.randn(S, HV, L, K, dtype=torch.float16))
     with pytest.raises(ValueError, match="cache dtype.*float16"):
         ops.replayssm_decode_predecayed(**t)
+
+
+def test_kernel_rebase_threshold_is_the_validation_bound() -> None:
+    """The kernel spells the rebase bound as a literal (a module constant would become a kernel argument);
+    it must be the one the reference, the pool and the docs use."""
+    import inspect
+
+    from tp_replayssm import _validation, kernel
+
+    src = inspect.getsource(kernel.replayssm_decode_kernel)
+    assert f"torch.amin(g_cum, dim=0) < -{_validation.PREDECAYED_MAX_LOG_DECAY!r}" in src

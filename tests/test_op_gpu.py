@@ -69,18 +69,28 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
 
 
 PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8)]  # (H, HV, B)
+# the gates: KDA's bounded one at -5 (L = 16: keys up to exp(75), no rebase), the softplus one at the usual
+# strength, and softplus gates exp(4.5) times stronger (heads rebase; three shapes: tiny, one-warp, MMA chunks)
+PREDECAYED_CASES = ([(h, hv, b, gate) for h, hv, b in PREDECAYED_SHAPES for gate in ("bounded", "softplus")]
+                    + [(h, hv, b, "rebasing") for h, hv, b in PREDECAYED_SHAPES if b in (1, 32, 256)])
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
-@pytest.mark.parametrize("H,HV,B", PREDECAYED_SHAPES, ids=[f"H{h}-HV{hv}-B{b}" for h, hv, b in PREDECAYED_SHAPES])
-def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
-    """The pool's pre-decayed ring layout (``lower_bound = -5``, L = 16: keys up to exp(75)) on the compiled
-    kernel, every config regime (tiny batch, one-warp, tensor-core chunks from 1024 pairs), a full cycle
-    plus one step against its reference and the float64 plain recurrence."""
-    sc = dataclasses.replace(kimi_scenario(H, HV, B, state_dtype), lower_bound=-5.0, predecayed=True)
+@pytest.mark.parametrize("H,HV,B,gate", PREDECAYED_CASES,
+                         ids=[f"H{h}-HV{hv}-B{b}-{gate}" for h, hv, b, gate in PREDECAYED_CASES])
+def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, state_dtype: torch.dtype) -> None:
+    """The pool's pre-decayed ring layout on the compiled kernel, every config regime (tiny batch, one-warp,
+    tensor-core chunks from 1024 pairs), a full cycle plus one step against its reference and the float64
+    plain recurrence, under a bounded gate (no rebase possible), the usual softplus gate and one strong enough
+    that heads rebase (some must)."""
+    sc = dataclasses.replace(kimi_scenario(H, HV, B, state_dtype), predecayed=True,
+                             lower_bound=-5.0 if gate == "bounded" else None,
+                             A_log_shift=4.5 if gate == "rebasing" else 0.0)
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
-    RESULTS.append(dict(case="predecayed", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
+    RESULTS.append(dict(case=f"predecayed-{gate}", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.flushes > 0 and worst.appends > 0
+    if gate != "softplus":  # (the usual softplus gate may or may not rebase: the data decides)
+        assert (worst.rebases > 0) if gate == "rebasing" else (worst.rebases == 0), worst
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 

@@ -70,19 +70,23 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
 
 # ---- the main scenario: many steps, several layers, churn, flushes, load_state, sentinels ---------
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
-def test_pool_matches_plain_kda_over_ring_cycles_with_churn(lower_bound):
+@pytest.mark.parametrize("layout, lower_bound, A_log_shift", [("spec", None, 0.0), ("predecayed", -5.0, 0.0),
+                                                              ("predecayed", None, 4.5)],
+                         ids=["spec-layout", "predecayed-layout", "predecayed-rebasing"])
+def test_pool_matches_plain_kda_over_ring_cycles_with_churn(layout, lower_bound, A_log_shift):
     """Two layers, >= 2 full ring cycles, padding rows, forced flushes, free + re-alloc mid-stream
     (of a never-used sentinel-filled slot and of a used one), load_state mid-ring on one layer, and
     read_state equal to the oracle at every cursor; unallocated slots stay bit-identical. In both ring
-    layouts: with ``gate_lower_bound`` the pool stores cumulative gates and pre-decayed keys per value
-    head (GQA here: one q/k head, two value heads)."""
+    layouts: ``ring_layout="predecayed"`` stores cumulative gates and pre-decayed keys per value head (GQA
+    here: one q/k head, two value heads); with strong softplus gates (``A_log_shift``) its heads rebase."""
     NL = 2
-    pool = make_pool(num_layers=NL, gate_lower_bound=lower_bound)
-    assert pool.k_cache.shape[2] == (2 if lower_bound is not None else 1)
+    pool = make_pool(num_layers=NL, ring_layout=layout)
+    assert pool.k_cache.shape[2] == (2 if layout == "predecayed" else 1)
     gen = torch.Generator().manual_seed(1234)
     rng = random.Random(99)
     params = [params_for(SMALL.num_v_heads, gen) for _ in range(NL)]
+    params = [dataclasses.replace(p, A_log=p.A_log + A_log_shift) for p in params]
+    rebases = 0
     scales = [None, 0.3]  # layer 1 with an explicit scale
     oracles = [PlainKDA(S, 1, 2, KD, VD) for _ in range(NL)]
 
@@ -147,6 +151,11 @@ def test_pool_matches_plain_kda_over_ring_cycles_with_churn(lower_bound):
             real = slots >= 0
             assert rel_err(out[real, 0], want[real.cpu()]) < TOL_BF16, (step, layer)
             assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # padding rows exactly zero
+            if layout == "predecayed":  # a rebase leaves G_c = 0 exactly where the head would have appended
+                for r, s_ in enumerate(rows):
+                    c = cursor_model.get(s_, -1)
+                    if s_ >= 0 and not flush_rows[r] and c != L - 1:
+                        rebases += int((pool.g_cache[layer, s_, :, c] == 0).all(-1).sum())
         pool.advance(slots, force)
         for s, f in zip(rows, flush_rows):
             if s >= 0:
@@ -157,6 +166,7 @@ def test_pool_matches_plain_kda_over_ring_cycles_with_churn(lower_bound):
             assert rel_err(pool.read_state(layer, live_t), oracles[layer].state[live]) < TOL_BF16
         assert_bit_identical(frozen, snapshot_slots(pool, unalloc))
     assert reused  # the churn handed a used slot out again (and it started from zero)
+    assert (rebases > 0) == (A_log_shift > 0), rebases  # never under lower_bound -5 at L = 4
 
 
 def test_ring_length_one_flushes_every_step():
@@ -401,14 +411,14 @@ def test_load_state_and_read_state():
 
 # ---- memory accounting ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("gate_lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
-def test_memory_accounting_matches_tensors(caplog, gate_lower_bound):
+@pytest.mark.parametrize("layout", ["spec", "predecayed"])
+def test_memory_accounting_matches_tensors(caplog, layout):
     heads = KDAHeads(2, 8, KD, 32)
     with caplog.at_level(logging.INFO, logger="tp_replayssm.pool"):
         pool = make_pool(heads, num_layers=3, num_slots=5, ring_length=4, tp_rank=1, tp_size=2,
-                         state_dtype=torch.bfloat16, gate_lower_bound=gate_lower_bound)
+                         state_dtype=torch.bfloat16, ring_layout=layout)
     # the local shard: one q/k head, four value heads; the pre-decayed keys are per value head
-    assert pool.k_cache.shape[2] == (4 if gate_lower_bound is not None else 1)
+    assert pool.k_cache.shape[2] == (4 if layout == "predecayed" else 1)
     mem = pool.memory
     tensors = {**pool_tensors(pool), "cursors": pool.cursors}
     assert mem.total == sum(t.numel() * t.element_size() for t in tensors.values())
@@ -422,8 +432,7 @@ def test_memory_accounting_matches_tensors(caplog, gate_lower_bound):
     assert mem.per_slot == 3 * sum(nbytes.values()) + pool.cursors.element_size()
     assert any("ReplaySSMStatePool" in r.getMessage() for r in caplog.records)
     assert any(f"per slot {mem.per_slot} B" in r.getMessage() for r in caplog.records)
-    layout = "pre-decayed (gate_lower_bound=-5)" if gate_lower_bound is not None else "SPEC ring layout"
-    assert any(layout in r.getMessage() for r in caplog.records)
+    assert any(f"{layout} ring layout" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -461,10 +470,9 @@ def test_slots_that_fit(tp):
         (dict(tp_size=3), "tp=3"),
         (dict(tp_size=2, tp_rank=2), "tp_rank"),
         (dict(heads=KDAHeads(3, 6, 16, 16), tp_size=2, tp_rank=0), "H=3"),
-        (dict(gate_lower_bound=-41.0), r"gate_lower_bound.*\(L-1\) \* \|gate_lower_bound\| = 82"),
-        (dict(gate_lower_bound="-5"), "gate_lower_bound.*finite float"),
-        (dict(gate_lower_bound=float("nan")), "gate_lower_bound.*finite float"),
-        (dict(gate_lower_bound=-5.0, cache_dtype=torch.float16), "cache dtype.*float16"),
+        (dict(ring_layout="pre-decayed"), r"`ring_layout` must be one of \['spec', 'predecayed'\]; got 'pre-decayed'"),
+        (dict(ring_layout=None), "`ring_layout`.*got None"),
+        (dict(ring_layout="predecayed", cache_dtype=torch.float16), "cache dtype.*float16"),
     ],
 )
 def test_constructor_rejects_bad_config(kw, needle):
@@ -512,24 +520,6 @@ def test_decode_and_state_calls_reject_bad_input():
         pool.load_state(0, ids.to("meta"), torch.zeros(2, 2, VD, KD, device=DEV))
 
 
-def test_predecayed_pool_takes_only_its_lower_bound_and_writes_nothing_else():
-    """A pool built with ``gate_lower_bound`` stores keys pre-decayed under that bound: a decode with any other
-    ``lower_bound`` (None included) is refused, naming it, before anything is written."""
-    pool = make_pool(num_layers=1, gate_lower_bound=-5.0)
-    ids = pool.alloc(2)
-    slots = i32(ids.tolist() + [-1] * (B - 2))
-    p = params_for(2)
-    inp = small_inputs()
-    before = {**{k: v.clone() for k, v in pool_tensors(pool).items()}, "cursors": pool.cursors.clone()}
-    out = torch.full((B, 1, 2, VD), 7.0, device=DEV)
-    for bad in (None, -4.0, 5.0):
-        with pytest.raises(ValueError, match=rf"`lower_bound` must be the pool's gate_lower_bound = -5.0.*got {bad}"):
-            pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots, lower_bound=bad, out=out)
-    after = {**pool_tensors(pool), "cursors": pool.cursors}
-    assert all(torch.equal(before[k], after[k]) for k in before) and (out == 7.0).all()
-    assert "gate_lower_bound=-5.0" in repr(pool)
-
-
 def test_debug_mode_checks(monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert make_pool().debug is False
@@ -570,21 +560,24 @@ def test_debug_mode_checks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["spec-layout", "predecayed-layout"])
-def test_cuda_graph_step_matches_eager_bitwise(lower_bound):
+@pytest.mark.parametrize("layout, lower_bound, A_log_shift", [("spec", None, 0.0), ("predecayed", -5.0, 0.0),
+                                                              ("predecayed", None, 4.5)],
+                         ids=["spec-layout", "predecayed-layout", "predecayed-rebasing"])
+def test_cuda_graph_step_matches_eager_bitwise(layout, lower_bound, A_log_shift):
     """Capture one full model step (every layer's decode + advance) for a fixed batch, replay it over
     more than one full ring cycle with fresh inputs each step, and match eager execution bitwise (both
     ring layouts)."""
     heads, NL, ring, Bg = KDAHeads(2, 8, 128, 128), 3, 4, 6
     dev = torch.device("cuda", torch.cuda.current_device())
     pools = [ReplaySSMStatePool(heads, num_layers=NL, num_slots=8, ring_length=ring, device=dev, debug=False,
-                                gate_lower_bound=lower_bound) for _ in range(2)]
+                                ring_layout=layout) for _ in range(2)]
     ids = [pool.alloc(5) for pool in pools]
     assert torch.equal(ids[0], ids[1])
     rows = ids[0].tolist()
     slots = torch.tensor([rows[0], -1, rows[1], rows[2], rows[3], rows[4]], dtype=torch.int32, device=dev)
     gen = torch.Generator().manual_seed(0)
     params = [random_head_params(8, 128, device=dev, generator=gen) for _ in range(NL)]
+    params = [dataclasses.replace(p, A_log=p.A_log + A_log_shift) for p in params]
     n_steps = 2 * ring + 2
     steps = []
     for i in range(n_steps + 1):

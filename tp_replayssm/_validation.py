@@ -16,10 +16,12 @@ ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-# The pre-decayed ring layout (:func:`check_predecayed_layout`): its keys ``k_j * exp(-G_j)`` grow by up to
-# ``exp((L-1) * |lower_bound|)``; fp32 and bf16 reach exp(88.7), so 80 leaves keys up to exp(8.7) ~ 6000
-# in magnitude (l2-normalized keys are at most 1) and keeps ``exp(G)`` above fp32's smallest normal
-PREDECAYED_MAX_LOG_DECAY = 80.0
+# The pre-decayed ring layout (:func:`check_predecayed_layout`) stores keys ``k_j * exp(-G_j)``; a (row, value
+# head) whose cumulative gate ``G_c`` would fall below -75 in any key lane rebases
+# its ring instead of appending (``reference.replayssm_decode_predecayed``). fp32 and bf16 reach exp(88.7), so
+# 75 leaves keys up to exp(13.7) ~ 9e5 in magnitude (l2-normalized keys are at most 1); and where exp(G_c)
+# underflows (G_c < -87.3) a stored key times it loses at most exp(75 - 87.3) ~ 4.4e-6 of |k|
+PREDECAYED_MAX_LOG_DECAY = 75.0
 PREDECAYED_CACHE_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -45,21 +47,9 @@ def _fail(arg: str, expected: str, actual: object) -> ValueError:
     return ValueError(f"replayssm_decode: `{arg}` must be {expected}; got {actual}")
 
 
-def check_predecayed_layout(lower_bound: object, ring_length: int, cache_dtype: torch.dtype, where: str,
-                            lower_bound_name: str = "lower_bound") -> None:
-    """The pre-decayed ring layout needs a bounded gate with ``(L-1) * |lower_bound| <= 80`` and a bf16 or
-    fp32 ring (fp16 tops out at exp(11)); ``ValueError`` naming the argument otherwise."""
-    if not (isinstance(lower_bound, (int, float)) and not isinstance(lower_bound, bool)
-            and math.isfinite(lower_bound)):
-        raise ValueError(f"{where}: `{lower_bound_name}` must be a finite float for the pre-decayed ring layout "
-                         f"(its keys are stored as k * exp(-G), bounded only under a bounded gate); got "
-                         f"{lower_bound!r}")
-    if (ring_length - 1) * abs(lower_bound) > PREDECAYED_MAX_LOG_DECAY:
-        raise ValueError(
-            f"{where}: `{lower_bound_name}` must satisfy (L-1) * |{lower_bound_name}| <= "
-            f"{PREDECAYED_MAX_LOG_DECAY:g} for the pre-decayed ring layout (L = {ring_length}: |{lower_bound_name}| <= "
-            f"{PREDECAYED_MAX_LOG_DECAY / max(ring_length - 1, 1):.4g}); got {lower_bound!r}, "
-            f"(L-1) * |{lower_bound_name}| = {(ring_length - 1) * abs(lower_bound):g}")
+def check_predecayed_layout(cache_dtype: torch.dtype, where: str) -> None:
+    """The pre-decayed ring layout stores keys up to ``exp(PREDECAYED_MAX_LOG_DECAY)`` times ``k``: a bf16 or fp32
+    ring (fp16 tops out at exp(11)); ``ValueError`` naming the argument otherwise."""
     if cache_dtype not in PREDECAYED_CACHE_DTYPES:
         raise ValueError(f"{where}: the pre-decayed ring layout needs a cache dtype in "
                          f"{list(PREDECAYED_CACHE_DTYPES)} (its keys reach exp({PREDECAYED_MAX_LOG_DECAY:g})); "
@@ -115,8 +105,7 @@ def validate_decode_inputs(
 
     ``cursors_by_slot``: ``write_pos`` is a cursor table ``[S + 1]`` indexed by slot (the pool's), not
     one cursor per row ``[B]``. ``predecayed``: the pre-decayed ring layout (``ops.replayssm_decode_predecayed``):
-    ``k_cache [S, HV, L, K]`` (H then comes from ``mixed_qkv``'s width), a bf16 or fp32 ring, and a
-    ``lower_bound`` within :data:`PREDECAYED_MAX_LOG_DECAY`."""
+    ``k_cache [S, HV, L, K]`` (H then comes from ``mixed_qkv``'s width) and a bf16 or fp32 ring."""
     if not isinstance(initial_state, torch.Tensor) or initial_state.dim() != 4:
         raise _fail("initial_state", "a 4-D tensor [S, HV, V, K]", _describe(initial_state))
     S, HV, V, K = initial_state.shape
@@ -167,7 +156,7 @@ def validate_decode_inputs(
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
         raise _fail("lower_bound", "None or a finite float", repr(lower_bound))
     if predecayed:
-        check_predecayed_layout(lower_bound, L, d_cache.dtype, "replayssm_decode_predecayed")
+        check_predecayed_layout(d_cache.dtype, "replayssm_decode_predecayed")
 
     tensors = {
         "mixed_qkv": mixed_qkv,

@@ -38,15 +38,23 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
 launch, no second read of the checkpoint, no scratch buffer.
 
-Pre-decayed ring layout (``predecayed_ring``; the pool's under ``gate_lower_bound``, the op
+Pre-decayed ring layout (``predecayed_ring``; the pool's ``ring_layout="predecayed"``, the op
 ``ops.replayssm_decode_predecayed``). The g ring holds cumulative gates ``G_j = g_0 + ... + g_j`` since the
-last flush and the k ring, one per VALUE head, the keys ``kt_j = k_j * exp(-G_j)``. Then ``tot = G_{c-1}``
-is one row, the decayed keys are ``kt_j * exp(tot)``, and ``wk = Kt @ (exp(tot)*eg*k)``: step 1 loses the
-scan, the exp per entry and key, and one pass over the ring (in the SASS of the one-warp program, the
-bound of this prologue was about 970 instructions shorter: thirteenth session). An append writes
-``G_c = tot + g`` and ``k * exp(-G_c)``; the flush's ``Kf = kt_j * exp(tot + g)``. ``exp(-G)`` stays finite
-only under a bounded gate: ``(L-1) * |lower_bound| <= 80`` (``_validation.PREDECAYED_MAX_LOG_DECAY``). On the
-H200 it took 10-35% off the step at lower_bound = -5 (benchmarks/RESULTS.md, fourteenth session).
+last flush (or rebase) and the k ring, one per VALUE head, the keys ``kt_j = k_j * exp(-G_j)``. Then
+``tot = G_{c-1}`` is one row and, with ``G_c = tot + g``, ``ak = exp(G_c) * k`` and ``wk = Kt @ ak``
+(``kt_j * exp(G_c) = k_j * exp(G_c - G_j)``): step 1 loses the scan, the exp per entry and key, and one pass
+over the ring (in the SASS of the one-warp program, the bound of this prologue was about 970 instructions
+shorter: thirteenth session). An append writes ``G_c`` and ``k * exp(-G_c)``; the flush's
+``Kf = kt_j * exp(G_c)``. ``exp(-G)`` must stay finite, so a head whose ``G_c`` falls below -75 in some key
+lane (``_validation.PREDECAYED_MAX_LOG_DECAY``) REBASES instead of appending: it takes the flush branch (its
+new state goes to the checkpoint), zeroes its ring deltas ``j <= c`` and writes ``G_c = 0``, ``kt_c = 0``; the
+cursor moves on. Only unbounded gates or ``(L-1) * |lower_bound| > 75`` get there, and only then is the check
+compiled in (``predecayed_ring = 2``, ``ops.predecayed_mode``): it makes the branch data-dependent, which cost
+the 168-register programs ~24 spill operations on the every-step path (+8-9% at B = 512 bf16). The zeroed
+entries' keys stay below ``exp(75)`` and their products with ``ak`` finite, so they contribute exactly 0.
+Where ``exp(G_c)`` underflows (``G_c < -87.3``), ``kt_j * exp(G_c)`` loses at most ``exp(75 - 87.3) ~ 4.4e-6``
+of ``|k_j|``. On the H200 the layout took 10-35% off the step at lower_bound = -5 and 3-31% under the softplus
+gate (benchmarks/RESULTS.md, fourteenth and fifteenth sessions).
 
 Launch overlap. On sm_90+ the kernel is launched with programmatic dependent launch (PDL): each program
 first waits (``griddepcontrol.wait``) until the previous kernel in the stream has completed and its
@@ -162,7 +170,7 @@ def replayssm_decode_kernel(
     cursors_by_slot: hl.constexpr,
     tiny_batch: hl.constexpr,
     chunks_on_tensor_cores: hl.constexpr,
-    predecayed_ring: hl.constexpr,
+    predecayed_ring: hl.constexpr,  # 0: the SPEC layout; 1: pre-decayed, no rebase possible; 2: with rebases
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -226,13 +234,18 @@ def replayssm_decode_kernel(
             if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
                 tot = torch.where(cur > 0, g_last, 0.0)
                 kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
-                et = torch.exp(tot)
-                xk = eg * k
-                xq = eg * q
-                ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
-                aq = et * xq
+                g_cum = tot + g  # G_c
+                e_new = torch.exp(g_cum)  # the new state's decay; kt_j*e_new = k_j*exp(G_c - G_j) (see below)
+                ak = e_new * k  # S0 @ ak = the checkpoint's part of S' @ k
+                aq = e_new * q
                 wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
                 wq = torch.sum(kdec * aq[None, :], dim=1)
+                # G_c past the bound (unbounded gates): this head flushes and rebases its ring instead of
+                # appending k*exp(-G_c) (module docstring); never under (L-1)*|lower_bound| <= the bound
+                if predecayed_ring == 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
+                    rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
+                    append = append & (rebase == 0)
+                    emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
             else:  # (spelled apart from the branch above: this statement order keeps the SPEC path's registers)
                 kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
                 xk = eg * k
@@ -280,7 +293,6 @@ def replayssm_decode_kernel(
                         hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
                 if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
                     if predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head
-                        g_cum = tot + g
                         g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_cum
                         k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = (k * torch.exp(-g_cum)).to(k_rows.dtype)
                     else:
@@ -288,13 +300,20 @@ def replayssm_decode_kernel(
                         if sub == 0:
                             k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
             else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
+                # a rebase: G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program of this
+                # launch reads entry c. Written before the loop: after it, the addresses spilled (one-warp programs)
+                if predecayed_ring == 2:
+                    if tv.begin == 0:
+                        if rebase:
+                            g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = hl.zeros([g_rows.size(1)], torch.float32)
+                            k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = hl.zeros([k_rows.size(1)], k_rows.dtype)
                 if mma_chunks:  # the first chunk's loads, issued before the prologue on the other path
                     S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
                     d_next = hl.load(d_rows, [dr_base + j * dr_l, rows],
                                      extra_mask=ring_mask[:, None] & live[None, :])
                 if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
-                    if predecayed_ring:  # kt_j*exp(tot+g)
-                        k_flush = kdec * (et * eg)[None, :]  # [Lb, K]
+                    if predecayed_ring:  # kt_j*exp(G_c)
+                        k_flush = kdec * e_new[None, :]  # [Lb, K]
                     else:
                         k_flush = kdec * eg[None, :]  # [Lb, K]
                     k_hi = k_flush.to(torch.bfloat16)
@@ -316,7 +335,10 @@ def replayssm_decode_kernel(
                     fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
                     fdelta, fout = _chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
                     hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
-                    S_new = fS0 * (et * eg)[None, :] + fdelta[:, None] * k[None, :]
+                    if predecayed_ring:  # exp(G_c)
+                        S_new = fS0 * e_new[None, :] + fdelta[:, None] * k[None, :]
+                    else:
+                        S_new = fS0 * (et * eg)[None, :] + fdelta[:, None] * k[None, :]
                     if ring_on_tensor_cores:  # [Vc, Lb] @ [Lb, K], fp32 accumulation; the bf16 ring is exact
                         d_t = fd_ring.to(torch.bfloat16).T
                         S_new = hl.dot(d_t, k_hi, acc=hl.dot(d_t, k_mid, acc=hl.dot(d_t, k_lo, acc=S_new)))
@@ -326,13 +348,16 @@ def replayssm_decode_kernel(
                             jr = cur - 1 - back
                             k_j = k_rows[s64 * kr_s + kh * kr_h + jr * kr_l, :].to(torch.float32)
                             d_j = hl.load(d_rows, [dr_base + jr * dr_l, frows], extra_mask=flive).to(torch.float32)
-                            if predecayed_ring:  # kt_j*exp(tot+g)
-                                S_new = S_new + d_j[:, None] * (k_j * (et * eg))[None, :]
+                            if predecayed_ring:  # kt_j*exp(G_c)
+                                S_new = S_new + d_j[:, None] * (k_j * e_new)[None, :]
                             else:
                                 S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
                                 decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
                     hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
                              extra_mask=flive[:, None])
+                    if predecayed_ring == 2:  # a rebase empties the ring: entries j <= c now live in the checkpoint
+                        hl.store(d_rows, [dr_base + j * dr_l, frows], hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                                 extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
         else:
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
     return out3

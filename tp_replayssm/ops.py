@@ -4,7 +4,7 @@ Validates every argument (``ValueError`` before anything is written), builds the
 without copying any cache, and launches the kernel of :mod:`tp_replayssm.kernel` on
 the inputs' device, whatever the current device is. There is no fallback to the reference: on a machine
 without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
-:func:`replayssm_decode_predecayed` is the same op on the pool's pre-decayed ring layout (bounded gates).
+:func:`replayssm_decode_predecayed` is the same op on the pool's pre-decayed ring layout (any gate).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
-from ._validation import DecodeDims, resolve_scale, validate_decode_inputs
+from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs
 from .configs import select_config, tiny_batch
 
 
@@ -117,11 +117,11 @@ def replayssm_decode_predecayed(
     use_qk_l2norm_in_kernel: bool = False,
     lower_bound: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`replayssm_decode` on the pre-decayed ring layout (the pool's under ``gate_lower_bound``;
-    :func:`tp_replayssm.reference.replayssm_decode_predecayed` is its oracle): ``g_cache [S, HV, L, K]``
-    holds cumulative gates ``G_j = g_0 + ... + g_j`` since the last flush and ``k_cache [S, HV, L, K]``
-    (one per VALUE head) the keys ``k_j * exp(-G_j)``, so the ring needs no scan and no exp per entry.
-    Needs ``lower_bound`` with ``(L-1) * |lower_bound| <= 80`` and a bf16 or fp32 ring."""
+    """:func:`replayssm_decode` on the pre-decayed ring layout (the pool's ``ring_layout="predecayed"``;
+    :func:`tp_replayssm.reference.replayssm_decode_predecayed` is its oracle and spells out the rebase):
+    ``g_cache [S, HV, L, K]`` holds cumulative gates ``G_j = g_0 + ... + g_j`` since the last flush or rebase
+    and ``k_cache [S, HV, L, K]`` (one per VALUE head) the keys ``k_j * exp(-G_j)``, so the ring needs no scan
+    and no exp per entry. Any gate; a bf16 or fp32 ring."""
     return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
                    ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False, True)
 
@@ -226,4 +226,15 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed)
+            predecayed_mode(predecayed, lower_bound, L))
+
+
+def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int) -> int:
+    """The kernel's ``predecayed_ring``: 0 for the SPEC layout; for the pre-decayed one 1 when the gate cannot
+    take a cumulative gate past the rebase bound within a ring cycle (``lower_bound`` with ``(L-1) * |lower_bound|
+    <= PREDECAYED_MAX_LOG_DECAY``: the rebase check is compiled out; on the H200 it cost the capped bf16 programs
+    ~24 spill operations on the every-step path), else 2 (the check and the rebase compiled in)."""
+    if not predecayed:
+        return 0
+    bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
+    return 1 if bounded else 2

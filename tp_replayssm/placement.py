@@ -97,7 +97,7 @@ class PoolFingerprint:
     ring_length: int
     state_dtype: str
     cache_dtype: str
-    gate_lower_bound: float | None = None  # the pre-decayed ring layout's bound (None: the SPEC layout)
+    ring_layout: str = "spec"  # the rings' layout: "spec" or "predecayed" (ReplaySSMStatePool)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

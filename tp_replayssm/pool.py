@@ -16,13 +16,14 @@ tensor         shape                                dtype            meaning
                                                                      scratch entry padding rows hit
 =============  ===================================  ===============  ===============================
 
-With ``gate_lower_bound`` (every decode of the pool passes that ``lower_bound``) the rings use the
-pre-decayed layout of :func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the
-cumulative gates ``G_j`` since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys
-``k_j * exp(-G_j)`` per value head, so a decode step needs no scan over the ring and no exp per ring entry
-(10-35% faster at every shape timed on the H200, benchmarks/RESULTS.md, fourteenth session). That needs
-``(L-1) * |gate_lower_bound| <= 80`` and a bf16 or fp32 cache; ``read_state``, ``load_state`` and ``alloc``
-follow the layout.
+With ``ring_layout="predecayed"`` the rings use the pre-decayed layout of
+:func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the cumulative gates ``G_j``
+since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys ``k_j * exp(-G_j)`` per value head,
+so a decode step needs no scan over the ring and no exp per ring entry (10-35% faster at every shape timed on
+the H200, benchmarks/RESULTS.md). Any gate, any ``lower_bound``: a value head whose cumulative gate would
+pass -75 folds its ring into its checkpoint that step (a rebase: one checkpoint write, the cursor moves on),
+which cannot happen under ``(L-1) * |lower_bound| <= 75``. It needs a bf16 or fp32 cache and costs, under
+GQA, ``r`` times the SPEC's k ring; ``read_state``, ``load_state`` and ``alloc`` follow the layout.
 
 The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
 by slot (no gather); :meth:`advance`, once per model step after every layer decoded, moves them
@@ -54,6 +55,7 @@ __all__ = ["LayerViews", "PoolExhaustedError", "ReplaySSMStatePool"]
 logger = logging.getLogger(__name__)
 
 DEBUG_ENV = "TP_REPLAYSSM_DEBUG"
+RING_LAYOUTS = ("spec", "predecayed")
 
 
 class PoolExhaustedError(RuntimeError):
@@ -93,9 +95,9 @@ class ReplaySSMStatePool:
     ``heads`` is the GLOBAL geometry; the pool holds rank ``tp_rank`` of ``tp_size``'s shard
     (``pool.shard``, ``pool.local_heads``). ``tp_rank``/``tp_size`` default to ``group``'s rank and
     size, else ``0``/``1``; ``device`` defaults to the current CUDA device, else the CPU. With a
-    ``group`` construction is collective (the placement check of SPEC section 4). ``gate_lower_bound``:
-    the ``lower_bound`` every :meth:`decode` of this pool passes; given, the rings use the pre-decayed
-    layout (module docstring). ``debug``: the checks that sync with the device (module docstring).
+    ``group`` construction is collective (the placement check of SPEC section 4). ``ring_layout``:
+    ``"spec"`` (SPEC section 3) or ``"predecayed"`` (module docstring). ``debug``: the checks that sync with
+    the device (module docstring).
     """
 
     def __init__(
@@ -112,7 +114,7 @@ class ReplaySSMStatePool:
         group: object | None = None,
         device: torch.device | str | int | None = None,
         debug: bool | None = None,
-        gate_lower_bound: float | None = None,
+        ring_layout: str = "spec",
     ) -> None:
         if not isinstance(heads, KDAHeads):
             raise ValueError(f"ReplaySSMStatePool: `heads` must be a tp_replayssm.KDAHeads; got {type(heads).__name__}")
@@ -123,10 +125,10 @@ class ReplaySSMStatePool:
             raise ValueError(f"ReplaySSMStatePool: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"ReplaySSMStatePool: `cache_dtype` must be one of {list(CACHE_DTYPES)}; got {cache_dtype!r}")
-        if gate_lower_bound is not None:
-            check_predecayed_layout(gate_lower_bound, ring_length, cache_dtype, "ReplaySSMStatePool",
-                                    "gate_lower_bound")
-            gate_lower_bound = float(gate_lower_bound)
+        if ring_layout not in RING_LAYOUTS:
+            raise ValueError(f"ReplaySSMStatePool: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
+        if ring_layout == "predecayed":
+            check_predecayed_layout(cache_dtype, "ReplaySSMStatePool")
         if group is not None:
             import torch.distributed as dist
 
@@ -141,7 +143,7 @@ class ReplaySSMStatePool:
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
         self.state_dtype, self.cache_dtype = state_dtype, cache_dtype
-        self.gate_lower_bound = gate_lower_bound
+        self.ring_layout = ring_layout
         self.device = _resolve_device(device)
         self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
 
@@ -167,12 +169,10 @@ class ReplaySSMStatePool:
         self.fingerprint = placement.PoolFingerprint(
             num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
             value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
-            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), gate_lower_bound=gate_lower_bound)
+            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout)
         self._check_placement(self._pool_tensors(), "ReplaySSMStatePool.__init__")
         logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
-                    tp_rank, tp_size, self.device, H, HV, K, V, L,
-                    f"pre-decayed (gate_lower_bound={gate_lower_bound:g})" if self.predecayed else "SPEC",
-                    self.memory.describe())
+                    tp_rank, tp_size, self.device, H, HV, K, V, L, ring_layout, self.memory.describe())
 
     # ---- views and bookkeeping ------------------------------------------------------------------
 
@@ -183,8 +183,8 @@ class ReplaySSMStatePool:
 
     @property
     def predecayed(self) -> bool:
-        """The rings use the pre-decayed layout (built with ``gate_lower_bound``; module docstring)."""
-        return self.gate_lower_bound is not None
+        """The rings use the pre-decayed layout (``ring_layout="predecayed"``; module docstring)."""
+        return self.ring_layout == "predecayed"
 
     @property
     def num_free(self) -> int:
@@ -204,7 +204,7 @@ class ReplaySSMStatePool:
     def __repr__(self) -> str:
         return (f"ReplaySSMStatePool(rank={self.tp_rank}/{self.tp_size}, device={self.device}, layers={self.num_layers}, "
                 f"slots={self.num_slots} ({self.num_free} free), L={self.ring_length}, local={self.local_heads}, "
-                f"state={self.state_dtype}, cache={self.cache_dtype}, gate_lower_bound={self.gate_lower_bound}, "
+                f"state={self.state_dtype}, cache={self.cache_dtype}, ring_layout={self.ring_layout!r}, "
                 f"debug={self.debug})")
 
     # ---- allocation -----------------------------------------------------------------------------
@@ -323,13 +323,8 @@ class ReplaySSMStatePool:
         ``mixed_qkv [B, 2*H_l*K + HV_l*V]``, ``a [B, HV_l*K]`` or ``[B, HV_l, K]``, ``b [B, HV_l]``,
         ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` or ``[HV_l, K]``, ``slots [B]`` int32 (``< 0`` = padding),
         ``force_flush [B]`` int32 or None. Returns ``out [B, 1, HV_l, V]`` (allocated in
-        ``mixed_qkv.dtype`` when None). Does not move the cursors: call :meth:`advance` once per step.
-        A pool built with ``gate_lower_bound`` takes only that ``lower_bound``."""
+        ``mixed_qkv.dtype`` when None). Does not move the cursors: call :meth:`advance` once per step."""
         self._check_layer(layer, "decode")
-        if self.predecayed and lower_bound != self.gate_lower_bound:
-            raise ValueError(
-                f"ReplaySSMStatePool.decode: `lower_bound` must be the pool's gate_lower_bound = "
-                f"{self.gate_lower_bound!r} (its rings store keys pre-decayed under that bound); got {lower_bound!r}")
         with self._guard():
             if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
                 out = torch.empty(mixed_qkv.shape[0], 1, self.local_heads.num_v_heads, self.local_heads.value_dim,

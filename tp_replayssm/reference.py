@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validation import resolve_scale, validate_decode_inputs
+from ._validation import PREDECAYED_MAX_LOG_DECAY, resolve_scale, validate_decode_inputs
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -136,7 +136,10 @@ def replayssm_decode_predecayed(
     """:func:`replayssm_decode` on the pre-decayed ring layout (``tp_replayssm.ops.replayssm_decode_predecayed``):
     ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the cumulative gates
     ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)`` (rounded to the cache
-    dtype). Same math otherwise; needs ``(L-1) * |lower_bound| <= 80``."""
+    dtype). Same math otherwise. Any gate: where ``G_c`` falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-80) in some
+    key lane, that (row, value head) REBASES instead of appending: its new state goes to the checkpoint, its ring
+    entries ``j <= c`` get ``d_j = 0`` and ``G_c = 0``, ``k_c = 0`` (the cursor still moves on). Under
+    ``(L-1) * |lower_bound| <= 80`` no rebase can happen."""
     return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
                    ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
 
@@ -184,12 +187,23 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
 
     f, nf = flush.nonzero().squeeze(1), (~flush).nonzero().squeeze(1)
     initial_state[s[f]] = S_new[f].to(initial_state.dtype)
-    d_cache[s[nf], :, c[nf]] = delta[nf].to(d_cache.dtype)
-    if predecayed:  # G_c = G_{c-1} + g (tot, 0 for an empty ring) and k * exp(-G_c), per value head
-        g_cum = last_cumulative_gate(g_cache[s[nf]], c[nf]) + gv[nf]
-        g_cache[s[nf], :, c[nf]] = g_cum
-        k_cache[s[nf], :, c[nf]] = (kv[nf] * torch.exp(-g_cum)).to(k_cache.dtype)
+    if predecayed:  # per (row, value head): append G_c = G_{c-1} + g and k * exp(-G_c), or rebase
+        g_cum = last_cumulative_gate(g_cache[s], c) + gv  # G_c [n, HV, K]
+        rebase = ~flush[:, None] & (g_cum.amin(-1) < -PREDECAYED_MAX_LOG_DECAY)  # [n, HV]
+        rr, hh = (~flush[:, None] & ~rebase).nonzero(as_tuple=True)
+        d_cache[s[rr], hh, c[rr]] = delta[rr, hh].to(d_cache.dtype)
+        g_cache[s[rr], hh, c[rr]] = g_cum[rr, hh]
+        k_cache[s[rr], hh, c[rr]] = (kv[rr, hh] * torch.exp(-g_cum[rr, hh])).to(k_cache.dtype)
+        # a rebase: the head's new state goes to the checkpoint, ring entries j <= c get delta 0, and G_c = 0
+        # (with k_c = 0) is the base the next appends accumulate from; the cursor moves on as for an append
+        rr, hh = rebase.nonzero(as_tuple=True)
+        initial_state[s[rr], hh] = S_new[rr, hh].to(initial_state.dtype)
+        emptied = torch.arange(L, device=c.device)[None, :, None] <= c[rr][:, None, None]  # [m, L, 1]
+        d_cache[s[rr], hh] = torch.where(emptied, 0.0, d_cache[s[rr], hh].float()).to(d_cache.dtype)
+        g_cache[s[rr], hh, c[rr]] = 0.0
+        k_cache[s[rr], hh, c[rr]] = 0.0
     else:
+        d_cache[s[nf], :, c[nf]] = delta[nf].to(d_cache.dtype)
         g_cache[s[nf], :, c[nf]] = gv[nf]
         # every value head of a q/k head carries the same key: store it once per q/k head
         k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
