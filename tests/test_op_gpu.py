@@ -95,6 +95,19 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 
+@pytest.mark.parametrize("B,HV", [(8, 8), (64, 16)], ids=["4-warp", "1-warp"])
+def test_predecayed_fp32_ring_rebases(B: int, HV: int) -> None:
+    """fp32 rings (the flush's ring replay as rank-1 updates) with heads rebasing, in a four-warp and a one-warp
+    program: a rebase zeroes the deltas the replay has just read, behind a CTA barrier."""
+    sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, act_dtype=torch.float32, cache_dtype=torch.float32,
+                  steps=17, flush_prob=0.05, predecayed=True, A_log_shift=4.5, seed=B + HV, device="cuda")
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    RESULTS.append(dict(case=f"predecayed-fp32ring-rebasing-B{B}-HV{HV}", **vars(worst)))
+    assert worst.rebases > 0 and worst.flushes > 0, worst
+    assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= 1e-4 and worst.state_vs_plain64 <= 1e-4, worst
+
+
 def test_strided_layer_view_fp32_exact_path() -> None:
     sc = Scenario(B=64, H=8, HV=16, K=128, V=128, L=8, S=80, act_dtype=torch.float32,
                   cache_dtype=torch.float32, layer_view=True, a_3d=True, steps=10, device="cuda")

@@ -48,7 +48,8 @@ shorter: thirteenth session). An append writes ``G_c`` and ``k * exp(-G_c)``; th
 ``Kf = kt_j * exp(G_c)``. ``exp(-G)`` must stay finite, so a head whose ``G_c`` falls below -75 in some key
 lane (``_validation.PREDECAYED_MAX_LOG_DECAY``) REBASES instead of appending: it takes the flush branch (its
 new state goes to the checkpoint), zeroes its ring deltas ``j <= c`` and writes ``G_c = 0``, ``kt_c = 0``; the
-cursor moves on. Only unbounded gates or ``(L-1) * |lower_bound| > 75`` get there, and only then is the check
+cursor moves on (the zeroing stores wait at a CTA barrier for the replay's reads of those rows). Only
+unbounded gates or ``(L-1) * |lower_bound| > 75`` get there, and only then is the check
 compiled in (``predecayed_ring = 2``, ``ops.predecayed_mode``): it makes the branch data-dependent, which cost
 the 168-register programs ~24 spill operations on the every-step path (+8-9% at B = 512 bf16). The zeroed
 entries' keys stay below ``exp(75)`` and their products with ``ak`` finite, so they contribute exactly 0.
@@ -355,7 +356,10 @@ def replayssm_decode_kernel(
                                 decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
                     hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
                              extra_mask=flive[:, None])
-                    if predecayed_ring == 2:  # a rebase empties the ring: entries j <= c now live in the checkpoint
+                    if predecayed_ring == 2:  # a rebase empties the ring: its deltas j <= c now live in the checkpoint.
+                        # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not
+                        # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)
+                        hl.inline_triton("tl.debug_barrier()", [], None)
                         hl.store(d_rows, [dr_base + j * dr_l, frows], hl.zeros([ring_block, value_chunk], d_rows.dtype),
                                  extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
         else:
