@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import helion
-from tp_replayssm import configs, kernel
+from tp_replayssm import configs, kernel, ops
 from tp_replayssm._validation import DecodeDims
 from tp_replayssm.testing import example_kernel_args
 
@@ -208,3 +208,18 @@ def test_predecayed_modes_pipeline_the_append_chunk_loop(lower_bound: float | No
     stages = [ln for ln in code.splitlines() if "tl.range(" in ln]
     assert "num_stages=3" in stages[0] and sum("num_stages=3" in ln for ln in stages) == 1, stages
     assert ("tl.debug_barrier()" in code) == (lower_bound is None)  # the rebase's barrier only where it can fire
+
+
+def test_rebase_check_takes_the_register_cap_off() -> None:
+    """The pre-decayed kernel with the rebase check (``ops.predecayed_mode`` 2) spills on its every-step path
+    under the 168-register cap, so its capped grids run uncapped; nothing else of the choice changes."""
+    dev = torch.device("cuda", 0)
+    for batch, heads in CAPPED_GRIDS:
+        dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
+        plain = configs.select_config(dims, torch.bfloat16, dev)
+        checked = configs.select_config(dims, torch.bfloat16, dev, rebase_check=True)
+        assert checked.maxnreg is None and checked._replace(maxnreg=plain.maxnreg) == plain, (batch, heads)
+    assert any(configs.select_config(DecodeDims(b, h, h, 128, 128, 16, b), torch.bfloat16, dev).maxnreg == 168
+               for b, h in CAPPED_GRIDS if CAPPED_GRIDS[b, h])
+    assert ops.predecayed_mode(True, None, 16) == 2 and ops.predecayed_mode(True, -5.0, 16) == 1
+    assert ops.predecayed_mode(True, -5.4, 16) == 2 and ops.predecayed_mode(False, None, 16) == 0

@@ -168,8 +168,9 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    config, value_chunk, maxnreg, mma_chunks = select_config(dims, initial_state.dtype, mixed_qkv.device,
-                                                             d_cache.dtype)
+    config, value_chunk, maxnreg, mma_chunks = select_config(
+        dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype,
+        rebase_check=predecayed_mode(predecayed, lower_bound, dims.ring_length) == 2)
     tiny = tiny_batch(dims)
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
