@@ -134,6 +134,78 @@ VARIANTS: dict[str, Variant] = {
         ("            if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below\n",
          "            if True:  # VARIANT: whole-ring loads on every path\n"),
     ), False),
+    "rebase_fold_pass": Variant("the pre-decayed rebase (mode 2) without a data-dependent choice of loop: a rebasing "
+                                "head runs the append loop (its delta not stored), then folds the ring and this step's "
+                                "delta into its checkpoint in a separate pass and zeroes the deltas (behind a CTA "
+                                "barrier); counted on CPU (triton 3.6, HV32 B512 bf16 under the 168 cap): 5 spill "
+                                "operations on the every-step path against the library's 24", (
+        (
+            "                    append = append & (rebase == 0)\n"
+            "                    emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c\n",
+            "                    keep = rebase == 0\n"
+            "                    d_end = torch.where(rebase, 0, V)  # a rebasing head appends no delta (value rows < d_end)\n"),
+        (
+            "                        hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)\n",
+            "                        if predecayed_ring == 2:\n"
+            "                            hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive & (mrows < d_end))\n"
+            "                        else:\n"
+            "                            hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)\n"),
+        (
+            "                        hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)\n",
+            "                        if predecayed_ring == 2:\n"
+            "                            hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live & (rows < d_end))\n"
+            "                        else:\n"
+            "                            hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)\n"),
+        (
+            "                    if predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head\n",
+            "                    if predecayed_ring == 2:  # a rebase writes G_c = 0, kt_c = 0\n"
+            "                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = torch.where(keep, g_cum, 0.0)\n"
+            "                        k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = torch.where(\n"
+            "                            keep, k * torch.exp(-g_cum), 0.0).to(k_rows.dtype)\n"
+            "                    elif predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head\n"),
+        (
+            "                            k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)\n",
+            "                            k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)\n"
+            "                if predecayed_ring == 2:\n"
+            "                    if rebase:  # VARIANT: fold pass: the ring and this step's delta into the checkpoint, then empty it\n"
+            "                        for zchunk in hl.grid(tv.begin, tv.end, value_chunk):\n"
+            "                            zrows = zchunk + hl.arange(value_chunk)\n"
+            "                            zlive = zrows < tv.end\n"
+            "                            zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],\n"
+            "                                          extra_mask=zlive[:, None]).to(torch.float32)\n"
+            "                            zd = hl.load(d_rows, [dr_base + j * dr_l, zrows],\n"
+            "                                         extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)\n"
+            "                            zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)\n"
+            "                            zdelta, zout = _chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)\n"
+            "                            zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]\n"
+            "                            for zback in hl.grid(cur):\n"
+            "                                zj = cur - 1 - zback\n"
+            "                                zk = k_rows[s64 * kr_s + kh * kr_h + zj * kr_l, :].to(torch.float32)\n"
+            "                                zdj = hl.load(d_rows, [dr_base + zj * dr_l, zrows], extra_mask=zlive).to(torch.float32)\n"
+            "                                zS = zS + zdj[:, None] * (zk * e_new)[None, :]\n"
+            "                            hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),\n"
+            "                                     extra_mask=zlive[:, None])\n"
+            "                            hl.inline_triton(\"tl.debug_barrier()\", [], None)\n"
+            "                            hl.store(d_rows, [dr_base + j * dr_l, zrows], hl.zeros([ring_block, value_chunk], d_rows.dtype),\n"
+            "                                     extra_mask=(j <= cur)[:, None] & zlive[None, :])\n"),
+        (
+            "                # a rebase: G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program of this\n"
+            "                # launch reads entry c. Written before the loop: after it, the addresses spilled (one-warp programs)\n"
+            "                if predecayed_ring == 2:\n"
+            "                    if tv.begin == 0:\n"
+            "                        if rebase:\n"
+            "                            g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = hl.zeros([g_rows.size(1)], torch.float32)\n"
+            "                            k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = hl.zeros([k_rows.size(1)], k_rows.dtype)\n",
+            ""),
+        (
+            "                    if predecayed_ring == 2:  # a rebase empties the ring: its deltas j <= c now live in the checkpoint.\n"
+            "                        # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not\n"
+            "                        # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)\n"
+            "                        hl.inline_triton(\"tl.debug_barrier()\", [], None)\n"
+            "                        hl.store(d_rows, [dr_base + j * dr_l, frows], hl.zeros([ring_block, value_chunk], d_rows.dtype),\n"
+            "                                 extra_mask=(j <= emptied_to)[:, None] & flive[None, :])\n",
+            ""),
+    ), False),
     "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
         ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    hl.pdl_wait()  # VARIANT: trigger at exit\n"),
         ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
