@@ -192,18 +192,23 @@ BAD_INPUTS = {
 }
 
 
+def _refused_and_unwritten(call, t: dict[str, object], match: str) -> str:  # noqa: ANN001
+    """``call(**t)`` raises a ``ValueError`` matching ``match`` and leaves every tensor of ``t`` as it was; returns
+    the message."""
+    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match=match) as info:
+        call(**t)
+    for k, v in snapshot.items():
+        assert torch.equal(t[k], v), f"{k} was written"
+    return str(info.value)
+
+
 @pytest.mark.parametrize("impl", [ops.replayssm_decode, reference.replayssm_decode], ids=["op", "reference"])
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_raises_naming_argument_and_writes_nothing(impl, case: str) -> None:  # noqa: ANN001
     overrides, actual = BAD_INPUTS[case]
-    t = _tensors(**overrides)
-    arg = case.split("-")[0]
-    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=f"`{arg}`") as info:
-        impl(**t)
-    assert re.search(actual, str(info.value)), str(info.value)
-    for k, v in snapshot.items():
-        assert torch.equal(t[k], v), f"{k} was written"
+    message = _refused_and_unwritten(impl, _tensors(**overrides), f"`{case.split('-')[0]}`")
+    assert re.search(actual, message), message
 
 
 @pytest.mark.parametrize("impl", [ops.replayssm_decode, reference.replayssm_decode], ids=["op", "reference"])
@@ -322,11 +327,7 @@ def test_cursor_table_of_the_wrong_shape_is_refused_before_anything_is_written()
     t = _tensors()
     del t["write_pos"]
     t["cursors"] = torch.zeros(B, dtype=torch.int32)  # per row, not [S + 1]
-    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=r"`cursors`.*\[6\].*\[3\]"):
-        ops.decode_with_cursor_table(**t)
-    for k, v in snapshot.items():
-        assert torch.equal(t[k], v), f"{k} was written"
+    _refused_and_unwritten(ops.decode_with_cursor_table, t, r"`cursors`.*\[6\].*\[3\]")
 
 
 def test_cache_row_views_are_cached_per_tensor_and_dropped_with_it() -> None:
@@ -416,13 +417,8 @@ PREDECAYED_BAD_INPUTS = {
 @pytest.mark.parametrize("case", list(PREDECAYED_BAD_INPUTS))
 def test_predecayed_layout_bad_input_raises_naming_argument_and_writes_nothing(impl, case: str) -> None:  # noqa: ANN001
     overrides, actual = PREDECAYED_BAD_INPUTS[case]
-    t = _predecayed_tensors(**overrides)
-    snapshot = {k: v.clone() for k, v in t.items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(ValueError, match=f"`{case.split('-')[0]}`") as info:
-        impl(**t)
-    assert re.search(actual, str(info.value)), str(info.value)
-    for k, v in snapshot.items():
-        assert torch.equal(t[k], v), f"{k} was written"
+    message = _refused_and_unwritten(impl, _predecayed_tensors(**overrides), f"`{case.split('-')[0]}`")
+    assert re.search(actual, message), message
 
 
 def test_predecayed_layout_refuses_fp16_rings() -> None:
