@@ -4,7 +4,10 @@
 #   ./dev.sh python -m pytest -q
 # Set-up (once, and again whenever pyproject.toml changes): .venv with the CPU build of
 # torch 2.13.0 installed first (so nothing pulls a multi-GB CUDA build), then the project with its
-# test extra (helion 1.5.0, triton, pytest, hypothesis). Python 3.11 is all it needs.
+# test extra (helion 1.5.0, triton, pytest, hypothesis). Python 3.11 is all it needs. Beside it, in
+# $venv/triton-h200 (exported as TP_REPLAYSSM_TRITON_H200, not on the path): triton 3.6.0, the device's
+# compiler, so that register and spill counts of sm_90 code (tests/test_kernel_regs.py,
+# benchmarks/kernel_regs.py with PYTHONPATH=$TP_REPLAYSSM_TRITON_H200) are those of the H200's kernels.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${TP_REPLAYSSM_VENV:-$root/.venv}"
@@ -17,6 +20,10 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   "$venv/bin/python" -m pip install -q -e "$root[test]"
   echo "$want" > "$stamp"
 fi
+if [ ! -d "$venv/triton-h200/triton" ]; then
+  "$venv/bin/python" -m pip install -q --no-deps --target "$venv/triton-h200" triton==3.6.0
+fi
+export TP_REPLAYSSM_TRITON_H200="$venv/triton-h200"
 export PATH="$venv/bin:$PATH"
 cd "$root"
 exec "$@"

@@ -2,10 +2,12 @@
 
 Generates the Triton code for a launch choice with Helion (``to_triton_code``), compiles it for
 sm_90 with the ptxas that ships in the triton wheel, and reads the cubin's resource usage with the
-bundled ``cuobjdump``. No GPU needed, so register budgets can be checked before spending device time;
-the H200's triton 3.6 build agreed within a few registers in the 2026-11-29 sweeps.
+bundled ``cuobjdump``. No GPU needed, so register budgets can be checked before spending device time.
+Versions allocate registers differently (sixteenth session: 5 against 128 spill operations for one program),
+so the command line uses the H200's triton 3.6.0 where ``dev.sh`` put it (``TP_REPLAYSSM_TRITON_H200``) and
+prints the version it compiled with.
 
-    python benchmarks/kernel_regs.py --vt 128 --vc 16 --warps 4 --state fp32
+    ./dev.sh python benchmarks/kernel_regs.py --vt 128 --vc 16 --warps 4 --state fp32
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
-                               tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed)
+                               tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed,
+                               register_capped=maxnreg is not None)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
                     "entries, all 0)")
     args = ap.parse_args()
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200")
+    if h200 and "triton" not in sys.modules:  # the device's compiler (dev.sh installs it beside the venv)
+        sys.path.insert(0, h200)
     sys.path.insert(0, str(REPO))
     from tp_replayssm import configs
     config = configs.launch_config(args.vt, args.warps, chunk_stages=args.stages if args.mma_chunks else 0)
@@ -136,8 +142,9 @@ def main() -> None:
         kernel_fn = load_kernel(args.kernel)
     r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg,
                          mma_chunks=args.mma_chunks)
-    print(f"vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} state={args.state} "
-          f"mma_chunks={args.mma_chunks}: "
+    import triton
+    print(f"triton {triton.__version__}, vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} "
+          f"state={args.state} mma_chunks={args.mma_chunks}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 

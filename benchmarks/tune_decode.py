@@ -182,17 +182,16 @@ def register_report() -> None:
                           f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
 
 
-def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict,  # -> configs.LaunchChoice
-                rebase_check: bool = False):
+def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict):  # -> configs.LaunchChoice
     """The library's pinned launch choice for this shape with some config keys replaced (the keys
     ``maxnreg`` (0: no cap), ``value_chunk`` and ``mma_chunks`` set the choice's fields of those names, not
-    Helion config keys); ``rebase_check`` as ``configs.select_config`` takes it (the pre-decayed op's mode 2)."""
+    Helion config keys)."""
     from tp_replayssm import configs
     from tp_replayssm._validation import DecodeDims
 
     dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
                       num_slots=B)
-    choice = configs.select_config(dims, state_dtype, torch.device("cuda"), rebase_check=rebase_check)
+    choice = configs.select_config(dims, state_dtype, torch.device("cuda"))
     changes = dict(changes)
     maxnreg = changes.pop("maxnreg", choice.maxnreg) or None
     value_chunk = changes.pop("value_chunk", choice.value_chunk)
@@ -238,7 +237,7 @@ def main() -> None:
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from experiments.variants import load_kernel
 
-    from tp_replayssm import configs, ops
+    from tp_replayssm import configs
     configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
     kernels = [("lib", None)] + [(name, load_kernel(spec)) for name, spec in (k.split("=", 1) for k in args.kernel)]
     bw = copy_bandwidth()
@@ -257,8 +256,7 @@ def main() -> None:
                                  (c + (0,))[3] or None)
             for c in [tuple(map(int, c.split(":"))) for c in args.cands]
         ]
-        rebase_check = ops.predecayed_mode(predecayed, args.lower_bound, args.ring) == 2
-        overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text), rebase_check))
+        overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
                      for name, text in (o.split("=", 1) for o in args.override)]
         for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
             if args.override_kernels is not None and kname not in args.override_kernels and not any(cfg is c for c in cands):

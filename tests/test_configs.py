@@ -198,28 +198,26 @@ def test_pdl_waits_before_any_load(capability: tuple[int, int] | None, monkeypat
             assert "launch_pdl=True" in code
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["predecayed-bounded", "predecayed-rebase-check"])
-def test_predecayed_modes_pipeline_the_append_chunk_loop(lower_bound: float | None) -> None:
+@pytest.mark.parametrize("lower_bound, capped", [(-5.0, False), (None, False), (None, True)],
+                         ids=["mode1-bounded", "mode2-rebase-flush-branch", "mode3-rebase-pass"])
+def test_predecayed_modes_pipeline_the_append_chunk_loop(lower_bound: float | None, capped: bool) -> None:
     """``range_num_stages`` goes by Helion's loop index: a loop added to the kernel can move the 3 stages off the
-    tensor-core append loop (a rebase loop once did: +13% at HV8 B128 bf16 on the H200). In both pre-decayed
-    kernels (``ops.predecayed_mode`` 1 and 2) the first chunk loop, the append rows', is the pipelined one."""
+    tensor-core append loop (a rebase loop once did: +13% at HV8 B128 bf16 on the H200). In every pre-decayed
+    kernel (``ops.predecayed_mode`` 1, 2 and 3) the first chunk loop, the append rows', is the pipelined one."""
     code = _kernel_code(configs.launch_config(128, 1, chunk_stages=3), state_dtype=torch.bfloat16,
-                        ring_dtype=torch.bfloat16, mma_chunks=True, predecayed=True, lower_bound=lower_bound)
+                        ring_dtype=torch.bfloat16, mma_chunks=True, predecayed=True, lower_bound=lower_bound,
+                        register_capped=capped)
     stages = [ln for ln in code.splitlines() if "tl.range(" in ln]
     assert "num_stages=3" in stages[0] and sum("num_stages=3" in ln for ln in stages) == 1, stages
     assert ("tl.debug_barrier()" in code) == (lower_bound is None)  # the rebase's barrier only where it can fire
 
 
-def test_rebase_check_takes_the_register_cap_off() -> None:
-    """The pre-decayed kernel with the rebase check (``ops.predecayed_mode`` 2) spills on its every-step path
-    under the 168-register cap, so its capped grids run uncapped; nothing else of the choice changes."""
-    dev = torch.device("cuda", 0)
-    for batch, heads in CAPPED_GRIDS:
-        dims = DecodeDims(batch, heads, heads, 128, 128, 16, batch)
-        plain = configs.select_config(dims, torch.bfloat16, dev)
-        checked = configs.select_config(dims, torch.bfloat16, dev, rebase_check=True)
-        assert checked.maxnreg is None and checked._replace(maxnreg=plain.maxnreg) == plain, (batch, heads)
-    assert any(configs.select_config(DecodeDims(b, h, h, 128, 128, 16, b), torch.bfloat16, dev).maxnreg == 168
-               for b, h in CAPPED_GRIDS if CAPPED_GRIDS[b, h])
-    assert ops.predecayed_mode(True, None, 16) == 2 and ops.predecayed_mode(True, -5.0, 16) == 1
-    assert ops.predecayed_mode(True, -5.4, 16) == 2 and ops.predecayed_mode(False, None, 16) == 0
+def test_predecayed_mode_compiles_the_rebase_check_only_where_a_rebase_can_happen() -> None:
+    """Mode 1 (no check) exactly when ``(L-1) * |lower_bound| <= 75``; the softplus gate and weaker bounds get the
+    check, with the rebase through the flush branch (2) or, in register-capped programs, as a pass of its own (3).
+    Every mode shares the launch choice, register cap included (``test_tensor_core_chunks_regime``)."""
+    mode = ops.predecayed_mode
+    assert mode(True, None, 16) == 2 and mode(True, -5.0, 16) == 1 and mode(False, None, 16) == 0
+    assert mode(True, -5.4, 16) == 2 and mode(True, -10.0, 8) == 1 and mode(True, -10.8, 8) == 2
+    assert mode(True, None, 16, True) == 3 and mode(True, -5.4, 16, True) == 3
+    assert mode(True, -5.0, 16, True) == 1 and mode(False, None, 16, True) == 0

@@ -4,19 +4,22 @@ The decode kernel is latency-bound (benchmarks/RESULTS.md): every register per t
 programs per SM. Version 1 of the single-pass kernel put a matrix product in the flush path and paid
 ~95 registers per thread on every program, flushing or not. This test compiles the kernel for sm_90
 (ptxas from the triton wheel, no GPU) at each pinned choice and fails on spills or, for programs of
-several warps, on more than 168 registers per thread (fewer than 3 resident CTAs of 4 warps). The
-one-warp choices (128+ row-head pairs) run at 223-255 registers by design: their 16-row chunks sit just
-under the limit (32 rows spill), so the lower-bound gate path is checked too. Since the tenth session
-their flush loop (tensor-core ring product) spills a few registers (16 B of stack); the every-step path,
-which ptxas lays out first (up to the first ``EXIT``), must have no spill load or store. Since the
-eleventh session a bf16 checkpoint on large grids (here 4096 pairs) runs the tensor-core chunks under a
-168-register cap (12 programs per SM), and the flush path spills more. Compiled with the H200's triton 3.6
-(``kernel_regs.py`` with that wheel on ``PYTHONPATH``) its every-step path has no spill load and its chunk
-loop no spill at all (160 B of stack, 9 spill stores ahead of the loop); this machine's triton 3.9
-allocates differently (224 B, 2 spill operations in the loop), so for the capped choice the test bounds
-only the stack and the register count. The pre-decayed ring layout's path is held to the same rules (its
-rebase writes sit before the flush loop: written after it, their addresses spilled 120 B in the one-warp
-program); with the rebase check compiled in, the capped grid runs uncapped (the check spilled under the cap).
+several warps, on more than 168 registers per thread (fewer than 3 resident CTAs of 4 warps).
+
+It compiles with the H200's compiler, triton 3.6.0, which ``dev.sh`` installs beside the environment
+(``TP_REPLAYSSM_TRITON_H200``): register allocation differs between Triton versions far more than the
+kernel's changes do. The capped pre-decayed program with the rebase as a pass of its own has 5 spill
+operations on its every-step path with triton 3.6 and 128 with 3.9; through the flush branch, 24 and 10.
+The H200 timed the pass 2.5-6.6% faster (sixteenth session), as 3.6's counts predicted.
+
+The one-warp choices (128+ row-head pairs) run at 223-255 registers by design: their 16-row chunks sit
+just under the limit (32 rows spill), so the lower-bound gate path is checked too. Their flush loop
+(tensor-core ring product) may spill a few registers (up to 16 B of stack); the every-step path, which
+ptxas lays out first (up to the first ``EXIT``), must have no spill load or store. A bf16 checkpoint on
+large grids (here 4096 pairs) runs the tensor-core chunks under a 168-register cap (12 programs per SM),
+where the flush path spills more (the SPEC layout 160 B, the pre-decayed one 336-344 B) and the every-step
+path of the SPEC layout 9 spill stores ahead of the chunk loop. The pre-decayed layout's rebase writes (mode
+2) sit before the flush loop: written after it, their addresses spilled 120 B in the one-warp program.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ for batch, hv, state, lb, pd in ((512, 32, torch.float32, False, False), (512, 3
                                  (512, 32, torch.bfloat16, False, True), (8, 16, torch.bfloat16, False, True),
                                  (8, 16, torch.float32, True, True)):
     dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
-    config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0), rebase_check=pd and not lb)
+    config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0))
     r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16", lower_bound=lb,
                          tiny=tiny_batch(dims), maxnreg=maxnreg, with_sass=True, mma_chunks=mma, predecayed=pd)
     ins = parse(r.pop("sass"))
@@ -56,29 +59,42 @@ for batch, hv, state, lb, pd in ((512, 32, torch.float32, False, False), (512, 3
     r["spill_ops"] = sum(("STL" in t or "LDL" in t) for _, t in ins)
     out.append(dict(batch=batch, hv=hv, state=str(state), lower_bound=lb, predecayed=pd, vt=config.config["block_sizes"][0],
                     vc=chunk, warps=config.config["num_warps"], maxnreg=maxnreg, mma=mma, **r))
-print("RESULT " + json.dumps(out))
+import triton
+print("RESULT " + json.dumps(dict(triton=triton.__version__, rows=out)))
 """
 
 
 @pytest.mark.timeout(300)
 def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
+    assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([h200, str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=280)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
-    results = json.loads(line[len("RESULT "):])
+    found = json.loads(line[len("RESULT "):])
+    assert found["triton"] == "3.6.0", found["triton"]
+    results = found["rows"]
     assert len(results) == 11
     assert [r["warps"] for r in results] == [1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1]  # one warp from 128 row-head pairs up
     assert [r["mma"] for r in results] == [False, True, False, True, False, False, False, False, True, False, False]
     for r in results:
         capped = r["maxnreg"] is not None
-        assert r["local"] == 0 and r["stack"] <= (256 if capped else 16 if r["warps"] == 1 else 0), f"spills: {r}"
+        # under the cap the flush path spills (the pre-decayed kernels' more: 336-344 B on the H200's triton 3.6)
+        stack_limit = (352 if r["predecayed"] else 256) if capped else 16 if r["warps"] == 1 else 0
+        assert r["local"] == 0 and r["stack"] <= stack_limit, f"spills: {r}"
         if not capped:
             assert r["spill_loads_before_exit"] == r["spill_stores_before_exit"] == 0, \
                 f"spills on the every-step path: {r}"
         assert (r["stack"] == 0) == (r["spill_ops"] == 0), r  # the SASS count sees what ptxas reports
         assert 0 < r["regs"] <= (r["maxnreg"] or (255 if r["warps"] == 1 else 168)), f"over the register budget: {r}"
-    # the rebase check's kernel (pre-decayed, softplus gate) runs the capped grid uncapped (select_config)
-    assert results[1]["maxnreg"] == 168 and results[3]["maxnreg"] is None and results[8]["maxnreg"] is None
+    assert results[1]["maxnreg"] == 168 and results[3]["maxnreg"] is None and results[8]["maxnreg"] == 168
+    # the rebase check's kernel (pre-decayed, softplus gate) under the cap (ops.predecayed_mode 3): its rebase is
+    # a pass of its own, so the every-step path keeps (nearly) all its values in registers; through the flush
+    # branch (mode 2, a data-dependent choice of loop) it had 24 spill operations there (triton 3.6; 5 now)
+    every_step = results[8]["spill_loads_before_exit"] + results[8]["spill_stores_before_exit"]
+    assert every_step <= 8, results[8]
+    # the SPEC layout's capped program: spill stores ahead of the chunk loop only, no spill load
+    assert results[1]["spill_loads_before_exit"] == 0 and results[1]["spill_stores_before_exit"] <= 9, results[1]

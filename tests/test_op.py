@@ -389,6 +389,39 @@ def test_predecayed_layout_tensor_core_chunks_match_reference(monkeypatch: pytes
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
+# rebasing cases for the rebase pass of register-capped programs: fp32 checkpoint with bf16 rings (register
+# chunks), bf16 checkpoint and rings (both chunk paths), all fp32 (the rank-1 flush)
+REBASE_PASS_CASES = {
+    "gqa-fp32state": PREDECAYED_CASES["gqa-rebasing-softplus"],
+    "bf16-operands": dataclasses.replace(BF16_OPERANDS, L=8, steps=12, flush_prob=0.05, predecayed=True,
+                                         A_log_shift=4.5),
+    "all-fp32": PREDECAYED_CASES["fp32-rebasing-softplus"],
+}
+
+
+@pytest.mark.parametrize("mma", [False, True], ids=["register-chunks", "tensor-core-chunks"])
+@pytest.mark.parametrize("name", list(REBASE_PASS_CASES))
+def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a register cap (``LaunchChoice.maxnreg``, GPU grids from 4096 programs) a rebasing head runs the
+    append loop and then a rebase pass of its own (``ops.predecayed_mode`` 3) instead of the flush branch (2):
+    the same contract, held to the same limits. The CPU choice has no cap, so the test puts one in (the
+    interpreter ignores it) and checks that mode 3 reached the kernel."""
+    sc = REBASE_PASS_CASES[name]
+    if mma and torch.float32 in (sc.state_dtype, sc.cache_dtype):
+        pytest.skip("the tensor-core chunks need a bf16 checkpoint and rings")
+    chosen, modes = ops.select_config, []
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(maxnreg=168, mma_chunks=mma))
+    kernel_args = ops.kernel_args
+    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[-1]) or kernel_args(*a))
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    assert set(modes) == {3}, modes
+    assert worst.flushes > 0 and worst.appends > 0
+    _check_rebases(sc, worst.rebases)
+    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
+    limit = 3e-2 if torch.bfloat16 in (sc.state_dtype, sc.cache_dtype) else 1e-4
+    assert worst.out_vs_plain64 <= limit and worst.state_vs_plain64 <= limit, worst
+
+
 @pytest.mark.parametrize("gate", ["bounded", "rebasing-softplus"])
 def test_predecayed_reference_matches_plain_recurrence_tightly_in_fp32(gate: str) -> None:
     sc = Scenario(act_dtype=torch.float32, cache_dtype=torch.float32, steps=10, flush_prob=0.3, predecayed=True)

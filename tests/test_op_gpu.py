@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from tp_replayssm import direct_launch, ops, reference
+from tp_replayssm import configs, direct_launch, ops, reference
+from tp_replayssm._validation import DecodeDims
 from tp_replayssm.testing import random_decode_inputs, random_head_params, rel_err
 from _decode_scenario import OUT_TOL, PLAIN64_TOL, Scenario, kimi_scenario, run_scenario
 
@@ -53,9 +54,6 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     """A bf16 checkpoint with bf16 rings at 1024+ (row, head) pairs takes the tensor-core chunks (under a
     register cap where it saves a wave: 4096 pairs, not 2048); with fp32 activations ``out`` must still match
     the reference to 2e-5."""
-    from tp_replayssm import configs
-    from tp_replayssm._validation import DecodeDims
-
     dims = DecodeDims(B, HV, HV, 128, 128, 16, B)
     choice = configs.select_config(dims, torch.bfloat16, torch.device("cuda"))
     assert choice.mma_chunks and (choice.maxnreg is not None) == (B * HV >= 4096)
@@ -68,11 +66,13 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 
-PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8)]  # (H, HV, B)
+# (H, HV, B); HV12 B128 with a bf16 checkpoint is a register-capped grid (1536 programs: one wave at 12 per SM)
+PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8), (12, 12, 128)]
 # the gates: KDA's bounded one at -5 (L = 16: keys up to exp(75), no rebase), the softplus one at the usual
-# strength, and softplus gates exp(4.5) times stronger (heads rebase; three shapes: tiny, one-warp, MMA chunks)
+# strength, and softplus gates exp(4.5) times stronger (heads rebase; four shapes: tiny, one-warp, MMA chunks,
+# and MMA chunks under the register cap, where the rebase is a pass of its own: ops.predecayed_mode 3)
 PREDECAYED_CASES = ([(h, hv, b, gate) for h, hv, b in PREDECAYED_SHAPES for gate in ("bounded", "softplus")]
-                    + [(h, hv, b, "rebasing") for h, hv, b in PREDECAYED_SHAPES if b in (1, 32, 256)])
+                    + [(h, hv, b, "rebasing") for h, hv, b in PREDECAYED_SHAPES if b in (1, 32, 256, 128)])
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32state", "bf16state"])
@@ -86,6 +86,8 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
     sc = dataclasses.replace(kimi_scenario(H, HV, B, state_dtype), predecayed=True,
                              lower_bound=-5.0 if gate == "bounded" else None,
                              A_log_shift=4.5 if gate == "rebasing" else 0.0)
+    capped = configs.select_config(DecodeDims(B, H, HV, 128, 128, 16, sc.S), state_dtype, torch.device("cuda")).maxnreg
+    assert (capped is not None) == (B * HV == 1536 and state_dtype == torch.bfloat16)  # the shapes cover the cap
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     RESULTS.append(dict(case=f"predecayed-{gate}", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.flushes > 0 and worst.appends > 0

@@ -131,10 +131,9 @@ def _capped_waves_fewer(programs: int, sms: int) -> bool:
 
 
 def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device,
-                  ring_dtype: torch.dtype = torch.bfloat16, rebase_check: bool = False) -> LaunchChoice:
-    """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's;
-    ``rebase_check``: the kernel compiles the pre-decayed layout's rebase check in (``ops.predecayed_mode`` 2),
-    which takes the register cap off (below)."""
+                  ring_dtype: torch.dtype = torch.bfloat16) -> LaunchChoice:
+    """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's. The
+    same choice serves both ring layouts and every pre-decayed mode (below)."""
     bf16_operands = state_dtype == torch.bfloat16 and ring_dtype == torch.bfloat16  # exact MMA operands
     if device.type != "cuda":  # the interpreter runs both chunk paths: tensor cores when the operands allow
         return LaunchChoice(launch_config(32, 4), 16, None, bf16_operands)
@@ -168,11 +167,11 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         sms = _sm_count(device)
         vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
         mma = programs_full >= 1024 and bf16_operands
-        # The pre-decayed layout's rebase check makes the append/flush branch data-dependent, and under the cap
-        # its every-step path spills (24 spill operations, triton 3.6): uncapped, it is 0.7-3.6% faster (H200,
-        # fifteenth session, op alone: HV32 B512 bf16 230.5 -> 229.0, HV32 B128 63.0 -> 61.1, HV16 B512 121.6 ->
-        # 118.0, HV8 B512 63.8 -> 61.5 us/step)
-        if mma and not rebase_check and _capped_waves_fewer(_programs(programs_full, dims.value_dim, vt), sms):
+        # The pre-decayed layout's rebase check (kernel mode 2) keeps the cap since its rebase became a pass of
+        # its own (5 spill operations on the every-step path, triton 3.6). H200, sixteenth session, softplus gate,
+        # op alone, us/step uncapped -> capped: HV12 B128 bf16 28.9 -> 23.2, HV12 B512 91.4 -> 86.0, HV32 B512
+        # 235.4 -> 224.0, HV16 B512 121.2 -> 117.5, HV8 B512 63.0 -> 61.8, HV32 B128 62.3 -> 61.0
+        if mma and _capped_waves_fewer(_programs(programs_full, dims.value_dim, vt), sms):
             maxnreg = 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4

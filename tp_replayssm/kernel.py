@@ -46,12 +46,16 @@ last flush (or rebase) and the k ring, one per VALUE head, the keys ``kt_j = k_j
 over the ring (in the SASS of the one-warp program, the bound of this prologue was about 970 instructions
 shorter: thirteenth session). An append writes ``G_c`` and ``k * exp(-G_c)``; the flush's
 ``Kf = kt_j * exp(G_c)``. ``exp(-G)`` must stay finite, so a head whose ``G_c`` falls below -75 in some key
-lane (``_validation.PREDECAYED_MAX_LOG_DECAY``) REBASES instead of appending: it takes the flush branch (its
-new state goes to the checkpoint), zeroes its ring deltas ``j <= c`` and writes ``G_c = 0``, ``kt_c = 0``; the
-cursor moves on (the zeroing stores wait at a CTA barrier for the replay's reads of those rows). Only
-unbounded gates or ``(L-1) * |lower_bound| > 75`` get there, and only then is the check
-compiled in (``predecayed_ring = 2``, ``ops.predecayed_mode``): it makes the branch data-dependent, which cost
-the 168-register programs ~24 spill operations on the every-step path (+8-9% at B = 512 bf16). The zeroed
+lane (``_validation.PREDECAYED_MAX_LOG_DECAY``) REBASES instead of appending: its new state goes to the
+checkpoint, its ring deltas ``j <= c`` are zeroed and ``G_c = 0``, ``kt_c = 0`` written; the cursor moves on.
+Only unbounded gates or ``(L-1) * |lower_bound| > 75`` get there, and only then is the check compiled in
+(``ops.predecayed_mode``), in one of two forms. ``predecayed_ring = 2``: the rebasing head takes the flush branch
+(the zeroing stores wait at a CTA barrier for the replay's reads of those rows). That makes the append/flush
+choice data-dependent, which cost the 168-register programs 24 spill operations on the every-step path. So
+under a register cap, ``predecayed_ring = 3``: the head runs the append loop as usual (outputs; its delta not
+stored), then a pass of its own over its value tile folds the ring and this step's delta into the checkpoint
+(the ring replayed as rank-1 updates) and zeroes the deltas behind the barrier: 5 spill operations, 2.5-6.6%
+faster there, while the uncapped programs were faster with the flush branch (sixteenth session). The zeroed
 entries' keys stay below ``exp(75)`` and their products with ``ak`` finite, so they contribute exactly 0.
 Where ``exp(G_c)`` underflows (``G_c < -87.3``), ``kt_j * exp(G_c)`` loses at most ``exp(75 - 87.3) ~ 4.4e-6``
 of ``|k_j|``. On the H200 the layout took 10-35% off the step at lower_bound = -5 and 3-31% under the softplus
@@ -71,6 +75,7 @@ offsets: the wrapper passes each cache as an overlapping "row" view ``[span, las
 strides of its outer dims. That supports any strides with a contiguous last dim (a layer slice of
 a ``[layers, S, ...]`` pool, padded rows) without copies. Offsets are int64 (``index_dtype``).
 """
+
 
 from __future__ import annotations
 
@@ -171,7 +176,7 @@ def replayssm_decode_kernel(
     cursors_by_slot: hl.constexpr,
     tiny_batch: hl.constexpr,
     chunks_on_tensor_cores: hl.constexpr,
-    predecayed_ring: hl.constexpr,  # 0: the SPEC layout; 1: pre-decayed, no rebase possible; 2: with rebases
+    predecayed_ring: hl.constexpr,  # 0: SPEC layout; pre-decayed 1: no rebase possible, 2/3: rebases (module docstring)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -241,12 +246,16 @@ def replayssm_decode_kernel(
                 aq = e_new * q
                 wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
                 wq = torch.sum(kdec * aq[None, :], dim=1)
-                # G_c past the bound (unbounded gates): this head flushes and rebases its ring instead of
-                # appending k*exp(-G_c) (module docstring); never under (L-1)*|lower_bound| <= the bound
+                # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
+                # k*exp(-G_c) (module docstring); never under (L-1)*|lower_bound| <= the bound
                 if predecayed_ring == 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
                     rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
-                    append = append & (rebase == 0)
+                    append = append & (rebase == 0)  # 2: through the flush branch
                     emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
+                if predecayed_ring == 3:  # 3: the append loop (the cursor alone chooses it), then a pass of its own
+                    rebase = (torch.amin(g_cum, dim=0) < -75.0) & append
+                    keep = rebase == 0
+                    d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
             else:  # (spelled apart from the branch above: this statement order keeps the SPEC path's registers)
                 kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
                 xk = eg * k
@@ -276,6 +285,8 @@ def replayssm_decode_kernel(
                         mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
                         mdelta = beta * (mv_c - mspk)
                         hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
+                        if predecayed_ring == 3:  # a rebasing head stores none
+                            mlive = mlive & (mrows < d_end)
                         hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
                 else:  # row reductions in registers, the next chunk's loads in flight
                     for chunk in hl.grid(tv.begin, tv.end, value_chunk):
@@ -291,18 +302,54 @@ def replayssm_decode_kernel(
                         v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
                         delta, out = _chunk_outputs(S0, d_ring, v_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
                         hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
+                        if predecayed_ring == 3:  # a rebasing head stores none
+                            live = live & (rows < d_end)
                         hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
                 if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
-                    if predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head
+                    if predecayed_ring == 3:  # as below; a rebase writes G_c = 0 (the new base) and kt_c = 0
+                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = torch.where(keep, g_cum, 0.0)
+                        k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = torch.where(
+                            keep, k * torch.exp(-g_cum), 0.0).to(k_rows.dtype)
+                    elif predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head
                         g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_cum
                         k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = (k * torch.exp(-g_cum)).to(k_rows.dtype)
                     else:
                         g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
                         if sub == 0:
                             k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+                if predecayed_ring == 3:
+                    # A rebase: a second pass over the value tile folds the ring and this step's delta into the
+                    # checkpoint, S0*exp(G_c) + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (the ring
+                    # replayed as rank-1 updates: rebases are rare), then zeroes the deltas j <= c behind a CTA
+                    # barrier (other threads' loads of those rows must be done: Helion does not order a
+                    # write-after-read). Mode 2 takes the flush branch instead: a data-dependent choice of loop,
+                    # which made the 168-register programs spill on every step (RESULTS.md, sixteenth session)
+                    if rebase:
+                        for zchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                            zrows = zchunk + hl.arange(value_chunk)
+                            zlive = zrows < tv.end
+                            zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],
+                                          extra_mask=zlive[:, None]).to(torch.float32)
+                            zd = hl.load(d_rows, [dr_base + j * dr_l, zrows],
+                                         extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
+                            zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
+                            zdelta, _ = _chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                            zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]
+                            for zback in hl.grid(cur):
+                                zj = cur - 1 - zback
+                                zk = k_rows[s64 * kr_s + kh * kr_h + zj * kr_l, :].to(torch.float32)
+                                zdj = hl.load(d_rows, [dr_base + zj * dr_l, zrows],
+                                              extra_mask=zlive).to(torch.float32)
+                                zS = zS + zdj[:, None] * (zk * e_new)[None, :]
+                            hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),
+                                     extra_mask=zlive[:, None])
+                            hl.inline_triton("tl.debug_barrier()", [], None)
+                            hl.store(d_rows, [dr_base + j * dr_l, zrows],
+                                     hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                                     extra_mask=(j <= cur)[:, None] & zlive[None, :])
             else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
-                # a rebase: G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program of this
-                # launch reads entry c. Written before the loop: after it, the addresses spilled (one-warp programs)
+                # a rebase (mode 2): G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program
+                # of this launch reads entry c. Written before the loop: after it, the addresses spilled (one warp)
                 if predecayed_ring == 2:
                     if tv.begin == 0:
                         if rebase:

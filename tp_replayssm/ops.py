@@ -168,9 +168,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    config, value_chunk, maxnreg, mma_chunks = select_config(
-        dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype,
-        rebase_check=predecayed_mode(predecayed, lower_bound, dims.ring_length) == 2)
+    config, value_chunk, maxnreg, mma_chunks = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype)
     tiny = tiny_batch(dims)
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
@@ -178,7 +176,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks, predecayed),
+                            cursors_by_slot, tiny, mma_chunks, predecayed, maxnreg is not None),
         inputs, mixed_qkv.device,
         (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed),
         KERNEL_ARG_INPUTS,
@@ -203,11 +201,12 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
-                predecayed: bool = False) -> tuple:
+                predecayed: bool = False, register_capped: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
-    ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`),
-    ``predecayed`` its ``predecayed_ring`` (:func:`replayssm_decode_predecayed`)."""
+    ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
+    ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``register_capped`` (the launch choice has a
+    ``maxnreg``) set its ``predecayed_ring`` (:func:`predecayed_mode`)."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -227,15 +226,20 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed_mode(predecayed, lower_bound, L))
+            predecayed_mode(predecayed, lower_bound, L, register_capped))
 
 
-def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int) -> int:
-    """The kernel's ``predecayed_ring``: 0 for the SPEC layout; for the pre-decayed one 1 when the gate cannot
+def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int,
+                    register_capped: bool = False) -> int:
+    """The kernel's ``predecayed_ring``: 0 for the SPEC layout. For the pre-decayed one, 1 when the gate cannot
     take a cumulative gate past the rebase bound within a ring cycle (``lower_bound`` with ``(L-1) * |lower_bound|
-    <= PREDECAYED_MAX_LOG_DECAY``: the rebase check is compiled out; on the H200 it cost the capped bf16 programs
-    ~24 spill operations on the every-step path), else 2 (the check and the rebase compiled in)."""
+    <= PREDECAYED_MAX_LOG_DECAY``): the rebase check is compiled out. Else the check is compiled in, and a
+    rebasing head takes the flush branch (2), or, in programs under a register cap (``register_capped``), runs
+    the append loop and then a rebase pass of its own (3). H200, sixteenth session (benchmarks/RESULTS.md):
+    the flush branch's data-dependent choice spilled on the every-step path of the 168-register programs (24
+    spill operations, triton 3.6; the pass: 5), and the pass took 2.5-6.6% off their steps; in the uncapped
+    programs the pass was the slower one (fp32 B512 +3.5-5.8%, bf16 HV8 / HV16 B128 +4% / +2.7%)."""
     if not predecayed:
         return 0
     bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
-    return 1 if bounded else 2
+    return 1 if bounded else 3 if register_capped else 2
