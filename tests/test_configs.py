@@ -99,7 +99,9 @@ CAPPED_GRIDS = {(512, 32): True, (512, 12): True, (512, 8): True, (128, 32): Tru
 def test_tensor_core_chunks_regime() -> None:
     """The tensor-core chunk path (``mma_chunks``) from 1024 (row, head) pairs up, only when the checkpoint
     and the d ring are both bf16 (exact MMA operands), with its loop software-pipelined (3 stages) and a
-    168-register cap where it saves a wave; every other choice keeps unpipelined loops and no cap."""
+    168-register cap where it saves a wave; every other choice keeps unpipelined loops and no cap, but the fp32
+    register path's grids that the cap fits into one wave (HV12 B128: 1536 programs), which take it with 8-row
+    chunks."""
     dev = torch.device("cuda", 0)
     small = ((32, 12), (64, 8), (16, 32), (8, 32), (1, 8))
     for batch, heads in [*CAPPED_GRIDS, *small]:
@@ -109,7 +111,10 @@ def test_tensor_core_chunks_regime() -> None:
             mma = state == ring == torch.bfloat16 and batch * heads >= 1024
             assert choice.mma_chunks == mma, (batch, heads, state, ring)
             assert choice.config.config["range_num_stages"] == [0, 3 if mma else 0, 0]
-            assert choice.maxnreg == (168 if mma and CAPPED_GRIDS[batch, heads] else None), (batch, heads)
+            one_wave = not mma and state == torch.float32 and batch * heads == 1536
+            capped = (mma and CAPPED_GRIDS[batch, heads]) or one_wave
+            assert choice.maxnreg == (168 if capped else None), (batch, heads, state, ring)
+            assert choice.value_chunk == (8 if one_wave else 16), (batch, heads, state, ring)
     wide = configs.select_config(DecodeDims(512, 32, 32, 256, 128, 16, 512), torch.bfloat16, dev)
     assert not wide.mma_chunks and wide.maxnreg is None
 
@@ -118,7 +123,8 @@ def test_grid_rules_count_waves_of_the_devices_sms(monkeypatch: pytest.MonkeyPat
     """Value tile and register cap follow the device's multiprocessor count. With the H200's 132 SMs (one
     wave: 1056 uncapped one-warp programs, 1584 capped) 256 pairs take vt 32 and 2048 tensor-core programs
     no cap (two waves either way); with 66 SMs (528 / 792) vt 32 would make two waves, so 256 pairs take vt
-    64, and 2048 programs take the cap (3 waves instead of 4). 1536 programs are capped on both."""
+    64, and 2048 programs take the cap (3 waves instead of 4). 1536 programs are capped on both; on the fp32
+    register path only where the cap makes them one wave (132 SMs, not 66)."""
     dev = torch.device("cuda", 0)
     if not torch.cuda.is_available():
         assert configs._sm_count(dev) == 132  # the H200's, where no GPU answers
@@ -127,9 +133,11 @@ def test_grid_rules_count_waves_of_the_devices_sms(monkeypatch: pytest.MonkeyPat
         c = configs.select_config(DecodeDims(batch, heads, heads, 128, 128, 16, batch), state, dev)
         return c.config.config["block_sizes"][0], c.maxnreg
 
-    for sms, expected in ((132, [(32, None), (128, None), (128, 168)]), (66, [(64, None), (128, 168), (128, 168)])):
+    for sms, expected in ((132, [(32, None), (128, None), (128, 168), (128, 168)]),
+                          (66, [(64, None), (128, 168), (128, 168), (128, None)])):
         monkeypatch.setattr(configs, "_sm_count", lambda device, n=sms: n)
-        assert [choice(32, 8, torch.float32), choice(128, 16), choice(128, 12)] == expected, sms
+        assert [choice(32, 8, torch.float32), choice(128, 16), choice(128, 12), choice(128, 12, torch.float32)] \
+            == expected, sms
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-state", "bf16-state"])

@@ -46,7 +46,8 @@ for batch, hv, state, lb, pd in ((512, 32, torch.float32, False, False), (512, 3
                                  (8, 32, torch.float32, False, False), (8, 8, torch.float32, False, False),
                                  (1, 8, torch.float32, False, False), (512, 32, torch.float32, False, True),
                                  (512, 32, torch.bfloat16, False, True), (8, 16, torch.bfloat16, False, True),
-                                 (8, 16, torch.float32, True, True)):
+                                 (8, 16, torch.float32, True, True), (128, 12, torch.float32, False, False),
+                                 (128, 12, torch.float32, False, True)):
     dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
     config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0))
     r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16", lower_bound=lb,
@@ -77,9 +78,10 @@ def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
     found = json.loads(line[len("RESULT "):])
     assert found["triton"] == "3.6.0", found["triton"]
     results = found["rows"]
-    assert len(results) == 11
-    assert [r["warps"] for r in results] == [1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1]  # one warp from 128 row-head pairs up
-    assert [r["mma"] for r in results] == [False, True, False, True, False, False, False, False, True, False, False]
+    assert len(results) == 13
+    assert [r["warps"] for r in results] == [1, 1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 1, 1]  # one warp from 128 pairs up
+    assert [r["mma"] for r in results] == [False, True, False, True, False, False, False, False, True, False, False,
+                                           False, False]
     for r in results:
         capped = r["maxnreg"] is not None
         # under the cap the flush path spills (the pre-decayed kernels' more: 336-344 B on the H200's triton 3.6)
@@ -96,5 +98,9 @@ def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
     # branch (mode 2, a data-dependent choice of loop) it had 24 spill operations there (triton 3.6; 5 now)
     every_step = results[8]["spill_loads_before_exit"] + results[8]["spill_stores_before_exit"]
     assert every_step <= 8, results[8]
+    # fp32 programs that the cap fits into one wave (HV12 B128) run 8-row chunks under it: the pre-decayed one
+    # spill-free, the SPEC one with a few spill operations (16-row chunks: 352-400 B of stack)
+    assert [(r["maxnreg"], r["vc"]) for r in results[11:]] == [(168, 8), (168, 8)]
+    assert results[12]["stack"] == 0 and results[11]["stack"] <= 64, results[11:]
     # the SPEC layout's capped program: spill stores ahead of the chunk loop only, no spill load
     assert results[1]["spill_loads_before_exit"] == 0 and results[1]["spill_stores_before_exit"] <= 9, results[1]

@@ -402,15 +402,17 @@ REBASE_PASS_CASES = {
 @pytest.mark.parametrize("mma", [False, True], ids=["register-chunks", "tensor-core-chunks"])
 @pytest.mark.parametrize("name", list(REBASE_PASS_CASES))
 def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under a register cap (``LaunchChoice.maxnreg``, GPU grids from 4096 programs) a rebasing head runs the
-    append loop and then a rebase pass of its own (``ops.predecayed_mode`` 3) instead of the flush branch (2):
-    the same contract, held to the same limits. The CPU choice has no cap, so the test puts one in (the
-    interpreter ignores it) and checks that mode 3 reached the kernel."""
+    """Under a register cap (``LaunchChoice.maxnreg``: GPU tensor-core grids that it saves a wave, and fp32
+    register-path grids that it fits into one, with 8-row chunks) a rebasing head runs the append loop and then
+    a rebase pass of its own (``ops.predecayed_mode`` 3) instead of the flush branch (2): the same contract, held
+    to the same limits. The CPU choice has no cap, so the test puts in the GPU's capped choices (the
+    interpreter ignores the cap itself) and checks that mode 3 reached the kernel."""
     sc = REBASE_PASS_CASES[name]
     if mma and torch.float32 in (sc.state_dtype, sc.cache_dtype):
         pytest.skip("the tensor-core chunks need a bf16 checkpoint and rings")
     chosen, modes = ops.select_config, []
-    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(maxnreg=168, mma_chunks=mma))
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
+        maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
     kernel_args = ops.kernel_args
     monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[-1]) or kernel_args(*a))
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)

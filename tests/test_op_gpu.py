@@ -66,7 +66,21 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 
-# (H, HV, B); HV12 B128 with a bf16 checkpoint is a register-capped grid (1536 programs: one wave at 12 per SM)
+def test_fp32_register_path_under_the_one_wave_cap() -> None:
+    """HV12 B128 with an fp32 checkpoint (1536 one-warp programs) runs 8-row chunks under the 168-register cap,
+    which fits the grid into one wave (``configs._capped_one_wave``); the SPEC layout's kernel there, a full cycle
+    plus one step against the reference and the float64 recurrence."""
+    choice = configs.select_config(DecodeDims(128, 12, 12, 128, 128, 16, 131), torch.float32, torch.device("cuda"))
+    assert choice.maxnreg == 168 and choice.value_chunk == 8 and not choice.mma_chunks, choice
+    sc = kimi_scenario(12, 12, 128, torch.float32)
+    worst = run_scenario(sc, ops.replayssm_decode)
+    RESULTS.append(dict(case="fp32-one-wave-cap-H12-HV12-B128", **vars(worst)))
+    assert worst.flushes > 0 and worst.appends > 0
+    assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
+    assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
+
+
+# (H, HV, B); HV12 B128 is a register-capped grid (1536 programs: one wave at 12 per SM), with either checkpoint
 PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8), (12, 12, 128)]
 # the gates: KDA's bounded one at -5 (L = 16: keys up to exp(75), no rebase), the softplus one at the usual
 # strength, and softplus gates exp(4.5) times stronger (heads rebase; four shapes: tiny, one-warp, MMA chunks,
@@ -87,7 +101,7 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
                              lower_bound=-5.0 if gate == "bounded" else None,
                              A_log_shift=4.5 if gate == "rebasing" else 0.0)
     capped = configs.select_config(DecodeDims(B, H, HV, 128, 128, 16, sc.S), state_dtype, torch.device("cuda")).maxnreg
-    assert (capped is not None) == (B * HV == 1536 and state_dtype == torch.bfloat16)  # the shapes cover the cap
+    assert (capped is not None) == (B * HV == 1536)  # the shapes cover the cap (both states at 1536 programs)
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     RESULTS.append(dict(case=f"predecayed-{gate}", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.flushes > 0 and worst.appends > 0

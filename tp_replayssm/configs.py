@@ -130,6 +130,17 @@ def _capped_waves_fewer(programs: int, sms: int) -> bool:
     return _waves(programs, CAPPED_PROGRAMS_PER_SM, sms) < _waves(programs, PROGRAMS_PER_SM, sms)
 
 
+def _capped_one_wave(programs: int, sms: int) -> bool:
+    """Whether the register path's grid needs two or more waves uncapped and one capped (1057-1584 programs on
+    the H200). There, with fp32 state, 8-row chunks under the 168-register cap (159-168 registers, at most 40 B
+    of stack) win; with more waves left they lose. H200, sixteenth session, op alone, us/step, pinned ->
+    capped with 8-row chunks: HV12 B128 (1536 programs; 2 waves -> 1) pre-decayed softplus 39.16 -> 36.13,
+    lower_bound -5 38.60 -> 36.52, SPEC layout 44.26 -> 39.62; HV32 B128 (4096; 4 -> 3) 88.28 -> 91.23 (SPEC
+    97.38 -> 104.75), HV12 B512 126.99 -> 132.05, HV16 B512 171.33 -> 175.43, HV32 B512 332.32 -> 335.21, HV8
+    B128 (1024, one wave either way) 24.13 -> 29.85. The 16-row chunks spill under the cap (352-400 B)."""
+    return _waves(programs, CAPPED_PROGRAMS_PER_SM, sms) == 1 < _waves(programs, PROGRAMS_PER_SM, sms)
+
+
 def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device,
                   ring_dtype: torch.dtype = torch.bfloat16) -> LaunchChoice:
     """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's. The
@@ -173,6 +184,9 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         # 235.4 -> 224.0, HV16 B512 121.2 -> 117.5, HV8 B512 63.0 -> 61.8, HV32 B128 62.3 -> 61.0
         if mma and _capped_waves_fewer(_programs(programs_full, dims.value_dim, vt), sms):
             maxnreg = 168
+        elif not mma and state_dtype == torch.float32 and _capped_one_wave(_programs(programs_full, dims.value_dim,
+                                                                                      vt), sms):
+            chunk, maxnreg = 8, 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
         evict = True
