@@ -178,14 +178,15 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         sms = _sm_count(device)
         vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
         mma = programs_full >= 1024 and bf16_operands
-        # The pre-decayed layout's rebase check (kernel mode 2) keeps the cap since its rebase became a pass of
-        # its own (5 spill operations on the every-step path, triton 3.6). H200, sixteenth session, softplus gate,
-        # op alone, us/step uncapped -> capped: HV12 B128 bf16 28.9 -> 23.2, HV12 B512 91.4 -> 86.0, HV32 B512
-        # 235.4 -> 224.0, HV16 B512 121.2 -> 117.5, HV8 B512 63.0 -> 61.8, HV32 B128 62.3 -> 61.0
-        if mma and _capped_waves_fewer(_programs(programs_full, dims.value_dim, vt), sms):
+        # The pre-decayed layout's rebase-check kernel keeps the cap too: under it, the rebase is a pass of its
+        # own (ops.predecayed_mode 3; 5 spill operations on the every-step path, triton 3.6). H200, sixteenth
+        # session, softplus gate, op alone, us/step uncapped -> capped: HV12 B128 bf16 28.9 -> 23.2, HV12 B512
+        # 91.4 -> 86.0, HV32 B512 235.4 -> 224.0, HV16 B512 121.2 -> 117.5, HV8 B512 63.0 -> 61.8, HV32 B128
+        # 62.3 -> 61.0
+        programs = _programs(programs_full, dims.value_dim, vt)
+        if mma and _capped_waves_fewer(programs, sms):
             maxnreg = 168
-        elif not mma and state_dtype == torch.float32 and _capped_one_wave(_programs(programs_full, dims.value_dim,
-                                                                                      vt), sms):
+        elif not mma and state_dtype == torch.float32 and _capped_one_wave(programs, sms):
             chunk, maxnreg = 8, 168
     elif programs_full >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
         vt, chunk, warps = 128, max(16, 8192 // (dims.key_dim * state_dtype.itemsize)), 4
