@@ -54,7 +54,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
                                tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed,
-                               register_capped=maxnreg is not None)
+                               rebase_pass=maxnreg is not None)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own

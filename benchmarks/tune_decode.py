@@ -212,6 +212,10 @@ def main() -> None:
     ap.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
                          "or forced on / off")
+    ap.add_argument("--rebase-pass", choices=["auto", "on", "off"], default="auto",
+                    help="the pre-decayed rebase check's form where it is compiled in (unbounded gates): the "
+                    "library's choice (a pass of its own under a register cap, ops.predecayed_mode 3), or forced "
+                    "on (3) / off (2: through the flush branch)")
     ap.add_argument("--kernel", action="append", default=[], metavar="NAME=FILE",
                     help="also time this candidate kernel file or variant:NAME (repeatable); the library "
                          "kernel is 'lib'")
@@ -239,6 +243,7 @@ def main() -> None:
 
     from tp_replayssm import configs
     configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
+    configs.FORCED_REBASE_PASS = {"auto": None, "on": True, "off": False}[args.rebase_pass]
     kernels = [("lib", None)] + [(name, load_kernel(spec)) for name, spec in (k.split("=", 1) for k in args.kernel)]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -214,10 +214,23 @@ def test_predecayed_modes_pipeline_the_append_chunk_loop(lower_bound: float | No
     kernel (``ops.predecayed_mode`` 1, 2 and 3) the first chunk loop, the append rows', is the pipelined one."""
     code = _kernel_code(configs.launch_config(128, 1, chunk_stages=3), state_dtype=torch.bfloat16,
                         ring_dtype=torch.bfloat16, mma_chunks=True, predecayed=True, lower_bound=lower_bound,
-                        register_capped=capped)
+                        rebase_pass=capped)
     stages = [ln for ln in code.splitlines() if "tl.range(" in ln]
     assert "num_stages=3" in stages[0] and sum("num_stages=3" in ln for ln in stages) == 1, stages
     assert ("tl.debug_barrier()" in code) == (lower_bound is None)  # the rebase's barrier only where it can fire
+
+
+def test_rebase_pass_follows_the_register_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebase runs as a pass of its own exactly in the register-capped launches (``configs.rebase_pass``),
+    unless a benchmark forces the form (``FORCED_REBASE_PASS``)."""
+    dev = torch.device("cuda", 0)
+    capped = configs.select_config(DecodeDims(512, 32, 32, 128, 128, 16, 512), torch.bfloat16, dev)
+    plain = configs.select_config(DecodeDims(128, 8, 8, 128, 128, 16, 128), torch.bfloat16, dev)
+    assert capped.maxnreg == 168 and plain.maxnreg is None
+    assert configs.rebase_pass(capped) and not configs.rebase_pass(plain)
+    for forced in (True, False):
+        monkeypatch.setattr(configs, "FORCED_REBASE_PASS", forced)
+        assert configs.rebase_pass(capped) == configs.rebase_pass(plain) == forced
 
 
 def test_predecayed_mode_compiles_the_rebase_check_only_where_a_rebase_can_happen() -> None:

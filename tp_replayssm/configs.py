@@ -48,6 +48,8 @@ class LaunchChoice(NamedTuple):
 FORCED: LaunchChoice | None = None
 # Set by tests and benchmarks/tune_decode.py to force the tiny-batch code path; None in normal use.
 FORCED_TINY_BATCH: bool | None = None
+# Set by benchmarks/tune_decode.py to force the pre-decayed rebase's form (rebase_pass); None in normal use.
+FORCED_REBASE_PASS: bool | None = None
 
 # The tiny-batch path below this many (row, value head) pairs. H200, 2026-11-29 (fourth session), us/step:
 # whole-ring loads HV8 B1 4.54 -> 4.37, HV32 B1 5.32 -> 5.32, HV8 B8 6.51 -> 7.20, HV32 B8 12.75 -> 13.14;
@@ -202,6 +204,16 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
     return LaunchChoice(launch_config(vt, warps, evict_state_first=evict, chunk_stages=3 if mma else 0),
                         min(chunk, vt), maxnreg, mma)
+
+
+def rebase_pass(choice: LaunchChoice) -> bool:
+    """Whether the pre-decayed layout's rebase check, where it is compiled in, runs the rebase as a pass of its
+    own after the append loop (``ops.predecayed_mode`` 3) instead of through the flush branch (2): in programs
+    under a register cap, where the flush branch's data-dependent choice of loop spilled on every step.
+    ``FORCED_REBASE_PASS`` overrides it (benchmarks)."""
+    if FORCED_REBASE_PASS is not None:
+        return FORCED_REBASE_PASS
+    return choice.maxnreg is not None
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

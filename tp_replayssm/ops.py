@@ -18,7 +18,7 @@ from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
 from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs
-from .configs import select_config, tiny_batch
+from .configs import rebase_pass, select_config, tiny_batch
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -168,17 +168,19 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
     repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    config, value_chunk, maxnreg, mma_chunks = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype)
+    choice = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype)
+    config, value_chunk, maxnreg, mma_chunks = choice
     tiny = tiny_batch(dims)
+    rebase = rebase_pass(choice)
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
     DIRECT_PLANS.launch(
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks, predecayed, maxnreg is not None),
+                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase),
         inputs, mixed_qkv.device,
-        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed),
+        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase),
         KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
         None if maxnreg is None else {"maxnreg": maxnreg})
@@ -201,12 +203,12 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
-                predecayed: bool = False, register_capped: bool = False) -> tuple:
+                predecayed: bool = False, rebase_pass: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
     ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
-    ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``register_capped`` (the launch choice has a
-    ``maxnreg``) set its ``predecayed_ring`` (:func:`predecayed_mode`)."""
+    ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``rebase_pass`` (:func:`configs.rebase_pass`) set its
+    ``predecayed_ring`` (:func:`predecayed_mode`)."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -226,20 +228,20 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed_mode(predecayed, lower_bound, L, register_capped))
+            predecayed_mode(predecayed, lower_bound, L, rebase_pass))
 
 
 def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int,
-                    register_capped: bool = False) -> int:
+                    rebase_pass: bool = False) -> int:
     """The kernel's ``predecayed_ring``: 0 for the SPEC layout. For the pre-decayed one, 1 when the gate cannot
     take a cumulative gate past the rebase bound within a ring cycle (``lower_bound`` with ``(L-1) * |lower_bound|
     <= PREDECAYED_MAX_LOG_DECAY``): the rebase check is compiled out. Else the check is compiled in, and a
-    rebasing head takes the flush branch (2), or, in programs under a register cap (``register_capped``), runs
-    the append loop and then a rebase pass of its own (3). H200, sixteenth session (benchmarks/RESULTS.md):
+    rebasing head takes the flush branch (2), or, with ``rebase_pass`` (``configs.rebase_pass``: programs under a
+    register cap), runs the append loop and then a rebase pass of its own (3). H200, sixteenth session (benchmarks/RESULTS.md):
     the flush branch's data-dependent choice spilled on the every-step path of the 168-register programs (24
     spill operations, triton 3.6; the pass: 5), and the pass took 2.5-6.6% off their steps; in the uncapped
     programs the pass was the slower one (fp32 B512 +3.5-5.8%, bf16 HV8 / HV16 B128 +4% / +2.7%)."""
     if not predecayed:
         return 0
     bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
-    return 1 if bounded else 3 if register_capped else 2
+    return 1 if bounded else 3 if rebase_pass else 2
