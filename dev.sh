@@ -7,7 +7,7 @@
 # test extra (helion 1.5.0, triton, pytest, hypothesis). Python 3.11 is all it needs. Beside it, in
 # $venv/triton-h200 (exported as TP_REPLAYSSM_TRITON_H200, not on the path): triton 3.6.0, the device's
 # compiler, so that register and spill counts of sm_90 code (tests/test_kernel_regs.py,
-# benchmarks/kernel_regs.py with PYTHONPATH=$TP_REPLAYSSM_TRITON_H200) are those of the H200's kernels.
+# benchmarks/kernel_regs.py, which put it on their path) are those of the H200's kernels.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${TP_REPLAYSSM_VENV:-$root/.venv}"

@@ -248,12 +248,12 @@ def replayssm_decode_kernel(
                 wq = torch.sum(kdec * aq[None, :], dim=1)
                 # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
                 # k*exp(-G_c) (module docstring); never under (L-1)*|lower_bound| <= the bound
-                if predecayed_ring == 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
+                if predecayed_ring >= 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
                     rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
-                    append = append & (rebase == 0)  # 2: through the flush branch
+                if predecayed_ring == 2:  # 2: through the flush branch
+                    append = append & (rebase == 0)
                     emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
                 if predecayed_ring == 3:  # 3: the append loop (the cursor alone chooses it), then a pass of its own
-                    rebase = (torch.amin(g_cum, dim=0) < -75.0) & append
                     keep = rebase == 0
                     d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
             else:  # (spelled apart from the branch above: this statement order keeps the SPEC path's registers)

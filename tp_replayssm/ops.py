@@ -236,11 +236,12 @@ def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: in
     """The kernel's ``predecayed_ring``: 0 for the SPEC layout. For the pre-decayed one, 1 when the gate cannot
     take a cumulative gate past the rebase bound within a ring cycle (``lower_bound`` with ``(L-1) * |lower_bound|
     <= PREDECAYED_MAX_LOG_DECAY``): the rebase check is compiled out. Else the check is compiled in, and a
-    rebasing head takes the flush branch (2), or, with ``rebase_pass`` (``configs.rebase_pass``: programs under a
-    register cap), runs the append loop and then a rebase pass of its own (3). H200, sixteenth session (benchmarks/RESULTS.md):
-    the flush branch's data-dependent choice spilled on the every-step path of the 168-register programs (24
-    spill operations, triton 3.6; the pass: 5), and the pass took 2.5-6.6% off their steps; in the uncapped
-    programs the pass was the slower one (fp32 B512 +3.5-5.8%, bf16 HV8 / HV16 B128 +4% / +2.7%)."""
+    rebasing head takes the flush branch (2), or, with ``rebase_pass`` (``configs.rebase_pass``: programs under
+    a register cap), runs the append loop and then a rebase pass of its own (3). H200, sixteenth session
+    (benchmarks/RESULTS.md): the flush branch's data-dependent choice spilled on the every-step path of the
+    168-register programs (24 spill operations, triton 3.6; the pass: 5), and the pass took 2.5-6.6% off their
+    steps; in the uncapped programs the pass was the slower one (fp32 B512 +3.5-5.8%, bf16 HV8 / HV16 B128 +4% /
+    +2.7%)."""
     if not predecayed:
         return 0
     bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY

@@ -20,10 +20,11 @@ With ``ring_layout="predecayed"`` the rings use the pre-decayed layout of
 :func:`tp_replayssm.ops.replayssm_decode_predecayed` instead: ``g_cache`` holds the cumulative gates ``G_j``
 since the last flush and ``k_cache`` is ``[NL, S, HV_l, L, K]``, the keys ``k_j * exp(-G_j)`` per value head,
 so a decode step needs no scan over the ring and no exp per ring entry (on the H200 3-35% faster at every
-shape timed: benchmarks/RESULTS.md, fourteenth and fifteenth sessions). Any gate, any ``lower_bound``: a value head whose cumulative gate would
-pass -75 folds its ring into its checkpoint that step (a rebase: one checkpoint write, the cursor moves on),
-which cannot happen under ``(L-1) * |lower_bound| <= 75``. It needs a bf16 or fp32 cache and costs, under
-GQA, ``r`` times the SPEC's k ring; ``read_state``, ``load_state`` and ``alloc`` follow the layout.
+shape timed: benchmarks/RESULTS.md, fourteenth and fifteenth sessions). Any gate, any ``lower_bound``: a value
+head whose cumulative gate would pass -75 folds its ring into its checkpoint that step (a rebase: one
+checkpoint write, the cursor moves on), which cannot happen under ``(L-1) * |lower_bound| <= 75``. It needs a
+bf16 or fp32 cache and costs, under GQA, ``r`` times the SPEC's k ring; ``read_state``, ``load_state`` and
+``alloc`` follow the layout.
 
 The pool owns the cursors: :meth:`decode` hands the op the whole cursor table, which the kernel reads
 by slot (no gather); :meth:`advance`, once per model step after every layer decoded, moves them

@@ -136,10 +136,10 @@ def replayssm_decode_predecayed(
     """:func:`replayssm_decode` on the pre-decayed ring layout (``tp_replayssm.ops.replayssm_decode_predecayed``):
     ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the cumulative gates
     ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)`` (rounded to the cache
-    dtype). Same math otherwise. Any gate: where ``G_c`` falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-80) in some
+    dtype). Same math otherwise. Any gate: where ``G_c`` falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-75) in some
     key lane, that (row, value head) REBASES instead of appending: its new state goes to the checkpoint, its ring
     entries ``j <= c`` get ``d_j = 0`` and ``G_c = 0``, ``k_c = 0`` (the cursor still moves on). Under
-    ``(L-1) * |lower_bound| <= 80`` no rebase can happen."""
+    ``(L-1) * |lower_bound| <= 75`` no rebase can happen."""
     return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
                    ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
 
