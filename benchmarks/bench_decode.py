@@ -142,6 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(cursor_kernel.advance), as ReplaySSMStatePool.decode/advance do (other ops: triton); "
                         "triton: a row-indexed cursor and a small Triton kernel (sessions 1-7); "
                         "none: constant write_pos per step")
+    m.add_argument("--fused-advance", action="store_true",
+                   help="with --advance pool: also time ours with the advance fused into the decode (the pool's "
+                        "decode(..., advance=True) on a step's last layer): ours_fused_us")
     m.add_argument("--phase", choices=["sync", "stagger"], default="sync",
                    help="sync: all rows at the same cursor (the issue's cycle); stagger: row b starts at b %% L")
     m.add_argument("--no-l2norm", action="store_true", help="use_qk_l2norm_in_kernel=False (default True)")
@@ -392,6 +395,11 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
                 rec.update({f"{name}_{k}": v for k, v in t.items()})
                 if name == "ours":
                     ours_graph = gr
+                if pool and args.fused_advance:
+                    grf = GraphRun(run_steps(replay_steps(fn, buf, shape, l2norm=l2norm, advance=advance, pool=True,
+                                                          fused=True)), buf.n_steps)
+                    graphs.append(grf)
+                    rec["ours_fused_us"] = grf.measure(*rep)["us"]
                 if advance is not None:
                     gr0 = GraphRun(run_steps(replay_steps(fn, buf, shape, l2norm=l2norm, advance=None)),
                                    buf.n_steps)
@@ -432,6 +440,8 @@ def run_shape(shape: Shape, ctx: dict[str, Any], args: argparse.Namespace) -> di
         if "ours_us" in rec and "fla_us" in rec:
             rec["speedup_vs_fla"] = rec["fla_us"] / rec["ours_us"]
             rec["op_speedup_vs_fla"] = rec["fla_us"] / rec["ours_op_us"]
+            if "ours_fused_us" in rec:
+                rec["fused_speedup_vs_fla"] = rec["fla_us"] / rec["ours_fused_us"]
         for name, _ in ctx["baselines"]:
             if "ours_us" in rec and f"{name}_us" in rec:
                 rec[f"speedup_vs_{name}"] = rec[f"{name}_us"] / rec["ours_us"]
@@ -563,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         durations[shape.B] = max(durations.get(shape.B, 0.0), rec["shape_s"])
         results.append(rec)
         log(f"[{i + 1}/{len(plan)}] {shape.label:30s} ours {rec.get('ours_us', float('nan')):8.1f} us "
-            f"(op {rec.get('ours_op_us', float('nan')):.1f}) fla {rec.get('fla_us', float('nan')):8.1f} us "
+            f"(op {rec.get('ours_op_us', float('nan')):.1f}, fused {rec.get('ours_fused_us', float('nan')):.1f}) fla {rec.get('fla_us', float('nan')):8.1f} us "
             f"floor {rec['floor_replay_us']:.1f} us  check {rec.get('ours_check', '-')} "
             f"err {rec.get('ours_err_out', float('nan')):.1e}  ({rec['shape_s']:.1f} s)")
         write_outputs(results, meta, args)  # keep partial results if the run is cut

@@ -46,7 +46,8 @@ def _fmt(v: Any, spec: str, width: int) -> str:
 TABLE_COLUMNS = [
     # (header, key, format, width)
     ("heads", None, "", 6), ("B", "B", "d", 4), ("L", "L", "d", 3), ("st", "state", "", 4), ("lb", None, "", 4),
-    ("ours_us", "ours_us", ".1f", 8), ("op_us", "ours_op_us", ".1f", 7), ("fla_us", "fla_us", ".1f", 7),
+    ("ours_us", "ours_us", ".1f", 8), ("op_us", "ours_op_us", ".1f", 7), ("fused", "ours_fused_us", ".1f", 6),
+    ("fla_us", "fla_us", ".1f", 7),
     ("xFLA", "speedup_vs_fla", ".2f", 5), ("GB/s", "ours_gbps", ".0f", 5), ("%flr", "ours_pct_floor", ".0f", 4),
     ("fla%f", "fla_pct_floor", ".0f", 5), ("floor", "floor_replay_us", ".1f", 6),
     ("eager", "ours_eager_us", ".1f", 6), ("host", "ours_host_us", ".1f", 5),
@@ -57,7 +58,7 @@ TABLE_COLUMNS = [
 def table_lines(results: list[dict[str, Any]], baselines: Sequence[str]) -> list[str]:
     cols = list(TABLE_COLUMNS)
     for name in baselines:
-        cols.insert(8, (f"{name[:6]}", f"{name}_us", ".1f", 7))
+        cols.insert(9, (f"{name[:6]}", f"{name}_us", ".1f", 7))
     head = " ".join(h.rjust(w) for h, _, _, w in cols)
     lines = [head, "-" * len(head)]
     for r in results:
@@ -104,10 +105,11 @@ def write_outputs(results: list[dict[str, Any]], meta: dict[str, Any], args: arg
 
 COLUMN_HELP = """\
 columns: heads = HV (or HxHV for GQA); ours_us = our op + cursor advance, us/step, graph-captured, median over
-replays of full L-step cursor cycles; op_us = the same without the advance kernel; fla_us = FLA packed in-place
-decode us/step (graph); xFLA = fla_us/ours_us; GB/s = replay model bytes / ours_us; %flr = replay byte floor
-(model bytes / measured copy bandwidth) / ours_us; fla%f = FLA's packed byte floor / fla_us; floor = replay
-floor us; eager = ours us/step without a graph (op + advance); host = CPU us inside one op call; rep% = change of ours_us
+replays of full L-step cursor cycles; op_us = the same without the advance kernel; fused = the op with the advance
+fused into it (--fused-advance); fla_us = FLA packed in-place decode us/step (graph); xFLA = fla_us/ours_us;
+GB/s = replay model bytes / ours_us; %flr = replay byte floor (model bytes / measured copy bandwidth) / ours_us;
+fla%f = FLA's packed byte floor / fla_us; floor = replay floor us; eager = ours us/step without a graph (op +
+advance); host = CPU us inside one op call; rep% = change of ours_us
 when timed again after FLA (noise); err = rel. error of out vs the reference; chk = ok/WRONG (out, flushed
 checkpoints, appended ring entries, padding rows, untouched checkpoints), /F! = FLA's out disagrees."""
 

@@ -115,11 +115,12 @@ StepList = list[tuple[Callable[[], None], Callable[[], None] | None]]
 
 def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
                  advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None,
-                 pool: bool = False) -> StepList:
+                 pool: bool = False, fused: bool = False) -> StepList:
     """One full cursor cycle per slot set. With ``advance`` the cursors advance in place after every
     step; without it each step reads a constant ``write_pos`` tensor holding the same phase. With
     ``pool`` (``op`` is ours) the step is the pool's: :func:`tp_replayssm.ops.decode_with_cursor_table`
-    on ``buf.cursor_table``, then :func:`tp_replayssm.cursor_kernel.advance` of that table."""
+    on ``buf.cursor_table``, then :func:`tp_replayssm.cursor_kernel.advance` of that table; with ``fused`` too, the
+    decode moves the cursors itself (``advance=True``, the pool's ``decode(..., advance=True)``), no second kernel."""
     steps: StepList = []
     if pool:
         from tp_replayssm import cursor_kernel, ops
@@ -131,11 +132,11 @@ def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: 
                     ops.decode_with_cursor_table(
                         buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
                         buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, use_qk_l2norm_in_kernel=l2norm,
-                        lower_bound=shape.lb, predecayed=buf.predecayed)
+                        lower_bound=shape.lb, predecayed=buf.predecayed, advance=fused)
 
                 def adv(si=si) -> None:
                     cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)
-                steps.append((step, adv))
+                steps.append((step, None if fused else adv))
                 continue
 
             wp = buf.cursors[si] if advance is not None else buf.wp_const[t]

@@ -30,12 +30,13 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
                      tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False,
-                     mma_chunks: bool = False, predecayed: bool = False) -> dict[str, object]:
+                     mma_chunks: bool = False, predecayed: bool = False, advance_cursors: int = 0) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
-    register cap; ``mma_chunks`` its tensor-core chunk path; ``predecayed`` the pre-decayed ring layout's path). Register spills show up as ``stack`` bytes
+    register cap; ``mma_chunks`` its tensor-core chunk path; ``predecayed`` the pre-decayed ring layout's path;
+    ``advance_cursors`` the fused cursor advance's count of readers per row, 0 for none). Register spills show up as ``stack`` bytes
     per thread (ptxas's stack frame; the H200's Triton reports the same kernels' ``n_spills`` > 0 exactly
     when it is nonzero). ``with_sass`` adds the disassembly as ``"sass"`` (to see where spill loads and
     stores sit)."""
@@ -54,7 +55,8 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
                                tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed,
-                               rebase_pass=maxnreg is not None)
+                               rebase_pass=maxnreg is not None, cursors_by_slot=advance_cursors > 0,
+                               advance_cursors=advance_cursors)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own

@@ -91,8 +91,8 @@ def _cell(v: Any, spec: str) -> str:
 
 def table_markdown(rows: list[dict[str, Any]]) -> str:
     """One Markdown row per shape, grouped by (L, lower_bound), heads descending, then state, batch."""
-    head = ("| L | lb | heads | state | B | ours us | op us | % floor | FLA us | xFLA | check |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| L | lb | heads | state | B | ours us | op us | fused us | % floor | FLA us | xFLA | check |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     order = sorted(rows, key=lambda r: (int(r["L"]), _lb_key(r.get("lower_bound")), -int(r["HV"]), -int(r["H"]),
                                        str(r["state"]), -int(r["B"])))
@@ -102,6 +102,7 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
         check = r.get("ours_check") or ("skipped" if r.get("skipped") else "-")
         lines.append(f"| {r['L']} | {_lb_key(r.get('lower_bound'))} | {heads} | {r['state']} | {r['B']} | "
                      f"{_cell(r.get('ours_us'), '.1f')} | {_cell(r.get('ours_op_us'), '.1f')} | "
+                     f"{_cell(r.get('ours_fused_us'), '.1f')} | "
                      f"{_cell(r.get('ours_pct_floor'), '.0f')} | {_cell(r.get('fla_us'), '.1f')} | "
                      f"{_cell(speedup, '.2f')} | {check} |")
     return "\n".join(lines) + "\n"

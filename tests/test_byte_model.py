@@ -202,9 +202,10 @@ def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
 @pytest.mark.parametrize("layout", ["spec", "predecayed"])
 def test_pool_steps_match_the_row_cursor_steps(layout):
     """``--advance pool`` (the default): ours reads the pool's cursor table and the pool's advance kernel
-    moves it; over two full cycles of two slot sets (interpreter, tiny shape) every output, checkpoint
-    and ring entry equals the row-cursor path's, and the table is back at its start after each cycle. Both
-    ring layouts (``--ring-layout predecayed``: GQA keys per value head, cumulative gates)."""
+    moves it (``--fused-advance``: the decode itself); over two full cycles of two slot sets (interpreter, tiny
+    shape) every output, checkpoint and ring entry equals the row-cursor path's, and the table is back at its
+    start after each cycle. Both ring layouts (``--ring-layout predecayed``: GQA keys per value head, cumulative
+    gates)."""
     import copy
 
     import torch
@@ -222,20 +223,25 @@ def test_pool_steps_match_the_row_cursor_steps(layout):
         keys = buf.k.float() * torch.exp(buf.g)
         torch.testing.assert_close(keys.norm(dim=-1), torch.ones(keys.shape[:-1]), rtol=2e-2, atol=0)
     row = copy.deepcopy(buf)
+    fbuf = copy.deepcopy(buf)
     start = buf.cursor_table.clone()
     advance = bd.make_advance("torch", shape.L)
     op = ops.replayssm_decode_predecayed if predecayed else ops.replayssm_decode
     pool_steps = bd.replay_steps(op, buf, shape, l2norm=True, advance=advance, pool=True)
     row_steps = bd.replay_steps(op, row, shape, l2norm=True, advance=advance)
-    assert len(pool_steps) == len(row_steps) == buf.n_sets * shape.L
+    fused_steps = bd.replay_steps(op, fbuf, shape, l2norm=True, advance=advance, pool=True, fused=True)
+    assert len(pool_steps) == len(row_steps) == len(fused_steps) == buf.n_sets * shape.L
+    assert all(adv is None for _, adv in fused_steps)  # --fused-advance: the decode moves the cursors
     for _ in range(2):
-        for (step, adv), (rstep, radv) in zip(pool_steps, row_steps):
-            step(), adv(), rstep(), radv()
+        for (step, adv), (rstep, radv), (fstep, _) in zip(pool_steps, row_steps, fused_steps):
+            step(), adv(), rstep(), radv(), fstep()
         assert torch.equal(buf.cursor_table, start)
+        assert torch.equal(fbuf.cursor_table[:-1], start[:-1])  # (padding rows' scratch entry: not moved)
     for name in ("state", "d", "k", "g"):
         assert torch.equal(getattr(buf, name), getattr(row, name)), name
-    for out, rout in zip(buf.out, row.out):
-        assert torch.equal(out, rout)
+        assert torch.equal(getattr(fbuf, name), getattr(row, name)), name
+    for out, rout, fout in zip(buf.out, row.out, fbuf.out):
+        assert torch.equal(out, rout) and torch.equal(fout, rout)
 
 
 def test_keys_per_value_head_count_the_predecayed_k_ring():

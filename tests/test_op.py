@@ -414,7 +414,7 @@ def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, monkeypat
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
         maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
     kernel_args = ops.kernel_args
-    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[-1]) or kernel_args(*a))
+    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[-2]) or kernel_args(*a))
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert set(modes) == {3}, modes
     assert worst.flushes > 0 and worst.appends > 0

@@ -173,7 +173,7 @@ def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
         (32, "none"): 9.0, (128, "none"): 17.0, (512, "none"): 70.0, (8, "-5"): 4.0}
     table = plot_results.table_markdown(rows).splitlines()
     assert len(table) == 2 + 4
-    assert table[-1] == "| 16 | none | 8 | bf16 | 32 | 9.0 | 9.0 | 60 | 10.0 | 1.11 | ok |"
+    assert table[-1] == "| 16 | none | 8 | bf16 | 32 | 9.0 | 9.0 | - | 60 | 10.0 | 1.11 | ok |"
     out = tmp_path / "t.md"
     assert plot_results.main([str(first), str(second), "--table", str(out), "--no-plots"]) == 0
     assert out.read_text().splitlines() == table

@@ -69,6 +69,20 @@ decode / cursor-advance kernels, worth 0.53-0.61 us per step at B <= 8 in CUDA g
 (benchmarks/RESULTS.md, ninth session). (Earlier versions used a separate flush kernel, and
 tensor-core products on every step; their register cost made them slower: benchmarks/RESULTS.md.)
 
+Fused cursor advance (``advance_cursors``; the pool's ``decode(..., advance=True)`` on a step's last layer). The
+pool's cursor table is shared by all layers and moves once per model step, after every layer has read it: a
+separate one-program kernel (:mod:`tp_replayssm.cursor_kernel`), ~0.8-1.0 us per step on the H200 at B <= 8. With
+``advance_cursors = n`` (the programs that read one row's cursor: ``ops.cursor_readers``) each program reads its
+cursor with ``atomic_add(cursors[slot], CURSOR_READER)``: the low 16 bits are the cursor, the bits above count the
+programs that read it before this one. The n-th reader (count n-1) stores the moved cursor (0 after a flush, else
+``c + 1``) with the count cleared. Every read and that store are operations on one word, so coherence alone
+orders them: each program sees the cursor of this step, the store comes after all n reads, and nothing else
+touches the word during the launch (slots are distinct in a batch; padding rows read no cursor and leave the
+scratch entry alone). Between launches the count bits are 0, so the other layers' plain reads see cursors.
+The atomic costs ~0.3-0.5 us over the plain read at small batches (the step is ~0.4 us shorter than decode +
+advance at B = 1); at B = 512 the fused step is 3.8% faster to 1.2% slower (benchmarks/RESULTS.md, seventeenth
+session).
+
 Addressing. Slots come from ``ssm_state_indices`` at run time, so caches are indexed by element
 offsets: the wrapper passes each cache as an overlapping "row" view ``[span, last]`` with strides
 ``(1, 1)`` (row ``r`` = the ``last`` contiguous elements starting at element ``r``) plus the element
@@ -177,6 +191,7 @@ def replayssm_decode_kernel(
     tiny_batch: hl.constexpr,
     chunks_on_tensor_cores: hl.constexpr,
     predecayed_ring: hl.constexpr,  # 0: SPEC layout; pre-decayed 1: no rebase possible, 2/3: rebases (module docstring)
+    advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (module docstring)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -213,7 +228,13 @@ def replayssm_decode_kernel(
             live = rows < tv.end
             if not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-            if cursors_by_slot:
+            if advance_cursors:  # the fused advance (module docstring): the read is an atomic count of the readers
+                # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument)
+                counted = hl.atomic_add(write_pos, [s64], 65536)  # cursor | (readers before this one) << 16
+                cur = counted & 65535
+                if counted >= (advance_cursors - 1) * 65536:  # the row's last reader: the others have read
+                    write_pos[s64] = torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1)
+            elif cursors_by_slot:
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
                 cur = write_pos[row]
@@ -413,6 +434,10 @@ def replayssm_decode_kernel(
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
     return out3
 
+
+# The fused advance's count unit: a cursor table entry holds the cursor in its low 16 bits and, during a launch
+# with ``advance_cursors``, the number of the row's programs that have read it above them
+CURSOR_READER = 1 << 16
 
 # The every-step reductions are fp32 sums in registers; the flush's bf16 MMAs take exact operands (no tf32).
 _SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)

@@ -131,18 +131,23 @@ def decode_with_cursor_table(
     scale: float | None, initial_state: torch.Tensor, d_cache: torch.Tensor, k_cache: torch.Tensor,
     g_cache: torch.Tensor, out: torch.Tensor, ssm_state_indices: torch.Tensor, cursors: torch.Tensor,
     force_flush: torch.Tensor | None = None, use_qk_l2norm_in_kernel: bool = False,
-    lower_bound: float | None = None, predecayed: bool = False,
+    lower_bound: float | None = None, predecayed: bool = False, advance: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`replayssm_decode` (or with ``predecayed``, :func:`replayssm_decode_predecayed`) with the cursors
     read by slot from a table ``cursors [S + 1]`` int32 (the pool's; row ``b``'s cursor is
-    ``cursors[ssm_state_indices[b]]``), so the caller gathers nothing."""
+    ``cursors[ssm_state_indices[b]]``), so the caller gathers nothing. ``advance``: the same launch then moves
+    the cursors of the rows' slots as :func:`tp_replayssm.cursor_kernel.advance` would after it (0 after a
+    flush, else ``c + 1``; padding rows move nothing); the slots must be distinct (the kernel counts each
+    slot's readers: the module docstring of :mod:`tp_replayssm.kernel`)."""
     return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                   ssm_state_indices, cursors, force_flush, use_qk_l2norm_in_kernel, lower_bound, True, predecayed)
+                   ssm_state_indices, cursors, force_flush, use_qk_l2norm_in_kernel, lower_bound, True, predecayed,
+                   advance)
 
 
 def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,  # noqa: ANN001
             ssm_state_indices, write_pos, force_flush, use_l2norm, lower_bound,
-            cursors_by_slot: bool, predecayed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+            cursors_by_slot: bool, predecayed: bool = False, advance: bool = False,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     dims = validate_decode_inputs(
         mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
         ssm_state_indices, write_pos, force_flush, lower_bound, cursors_by_slot=cursors_by_slot,
@@ -155,7 +160,7 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
     launch(dims, mixed_qkv, a, b, A_log, dt_bias, resolve_scale(scale, dims.key_dim), initial_state,
            d_cache, k_cache, g_cache, out, ssm_state_indices, write_pos,
            _no_flush(dims.batch, device) if force_flush is None else force_flush,
-           bool(use_l2norm), lower_bound, cursors_by_slot, predecayed)
+           bool(use_l2norm), lower_bound, cursors_by_slot, predecayed, advance)
     return out, initial_state
 
 
@@ -164,23 +169,27 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
            d_cache: torch.Tensor, k_cache: torch.Tensor, g_cache: torch.Tensor, out: torch.Tensor,
            slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
            use_l2norm: bool, lower_bound: float | None, cursors_by_slot: bool = False,
-           predecayed: bool = False) -> None:
-    """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``). On CUDA a
-    repeated call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
+           predecayed: bool = False, advance: bool = False) -> None:
+    """Launch the kernel on inputs that :func:`validate_decode_inputs` accepted (``dims``); ``advance`` (with
+    ``cursors_by_slot`` only) fuses the cursor advance (:func:`decode_with_cursor_table`). On CUDA a repeated
+    call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
     choice = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype)
     config, value_chunk, maxnreg, mma_chunks = choice
     tiny = tiny_batch(dims)
     rebase = rebase_pass(choice)
+    readers = cursor_readers(dims, config) if advance else 0
+    if advance and not cursors_by_slot:
+        raise ValueError("replayssm_decode: advance=True needs the pool's cursor table (cursors_by_slot)")
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
     DIRECT_PLANS.launch(
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase),
+                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers),
         inputs, mixed_qkv.device,
-        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase),
+        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers),
         KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
         None if maxnreg is None else {"maxnreg": maxnreg})
@@ -194,7 +203,20 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 23
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 24
+
+
+def cursor_readers(dims: DecodeDims, config: object) -> int:
+    """The kernel's ``advance_cursors`` for a fused advance: how many programs read one row's cursor (one per
+    value head and value tile: ``HV * ceil(V / vt)``, ``vt`` the config's ``block_sizes[0]``). The count lives in
+    the cursor table entry's upper 15 bits (:data:`tp_replayssm.kernel.CURSOR_READER`)."""
+    vt = config.config["block_sizes"][0]  # type: ignore[attr-defined]
+    readers = dims.num_v_heads * -(-dims.value_dim // vt)
+    if readers >= 1 << 15 or dims.ring_length > _kernel.CURSOR_READER:
+        raise ValueError(f"replayssm_decode: advance=True counts at most {(1 << 15) - 1} programs per row and "
+                         f"rings of at most {_kernel.CURSOR_READER} entries; got {readers} programs "
+                         f"(HV={dims.num_v_heads}, V={dims.value_dim}, value tile {vt}), L={dims.ring_length}")
+    return readers
 
 
 def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -203,12 +225,12 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
-                predecayed: bool = False, rebase_pass: bool = False) -> tuple:
+                predecayed: bool = False, rebase_pass: bool = False, advance_cursors: int = 0) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
     ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
     ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``rebase_pass`` (:func:`configs.rebase_pass`) set its
-    ``predecayed_ring`` (:func:`predecayed_mode`)."""
+    ``predecayed_ring`` (:func:`predecayed_mode`); ``advance_cursors`` is :func:`cursor_readers` or 0."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -228,7 +250,7 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed_mode(predecayed, lower_bound, L, rebase_pass))
+            predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors)
 
 
 def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int,
