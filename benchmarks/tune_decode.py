@@ -48,18 +48,11 @@ def make_problem(B: int, H: int, HV: int, L: int, state_dtype: torch.dtype, n_se
                  predecayed: bool = False, device: str = "cuda"):
     """Caches of ``n_sets`` disjoint slot sets, inputs per cursor phase; ``predecayed``: the pool's pre-decayed ring
     layout (cumulative gates, keys ``k * exp(-G)`` per value head)."""
-    from tp_replayssm.reference import predecay_rings
-    from tp_replayssm.testing import random_decode_inputs, random_head_params
+    from tp_replayssm.testing import random_decode_inputs, random_head_params, random_ring_caches
 
     S = B * n_sets
     dev = torch.device(device)
-    st = (0.05 * torch.randn(S, HV, V, K, device=dev)).to(state_dtype)
-    d = (0.05 * torch.randn(S, HV, L, V, device=dev)).bfloat16()
-    kc = 0.1 * torch.randn(S, HV if predecayed else H, L, K, device=dev)
-    g = -0.05 * torch.rand(S, HV, L, K, device=dev)
-    if predecayed:
-        kc, g = predecay_rings(kc, g)
-    kc = kc.bfloat16()
+    st, d, kc, g = random_ring_caches(S, H, HV, K, V, L, state_dtype=state_dtype, predecayed=predecayed, device=dev)
     p = random_head_params(HV, K, device=dev)
     inputs = [random_decode_inputs(B, H, HV, K, V, device=dev) for _ in range(L)]
     out = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device=dev)

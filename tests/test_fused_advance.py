@@ -19,21 +19,9 @@ import torch
 from tp_replayssm import cursor_kernel, kernel, ops
 from tp_replayssm._validation import DecodeDims
 from tp_replayssm.configs import launch_config, select_config
-from tp_replayssm.reference import predecay_rings
-from tp_replayssm.testing import random_decode_inputs, random_head_params
+from tp_replayssm.testing import random_decode_inputs, random_head_params, random_ring_caches
 
 ON_GPU = torch.cuda.is_available()
-
-
-def _caches(S: int, H: int, HV: int, K: int, V: int, L: int, state_dtype: torch.dtype, predecayed: bool,
-            gen: torch.Generator, device: torch.device) -> list[torch.Tensor]:
-    st = (0.1 * torch.randn(S, HV, V, K, generator=gen)).to(state_dtype)
-    d = (0.1 * torch.randn(S, HV, L, V, generator=gen)).bfloat16()
-    k = 0.1 * torch.randn(S, HV if predecayed else H, L, K, generator=gen)
-    g = -0.05 * torch.rand(S, HV, L, K, generator=gen)
-    if predecayed:
-        k, g = predecay_rings(k, g)
-    return [t.to(device) for t in (st, d, k.bfloat16(), g)]
 
 
 def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps: int, predecayed: bool,
@@ -52,7 +40,8 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
     start[perm[0]] = L - 1  # one row flushes on the first step
     inputs = [random_decode_inputs(B, H, HV, K, V, generator=gen) for _ in range(steps)]
     flags = [(torch.rand(B, generator=gen) < 0.25).to(torch.int32).to(device) for _ in range(steps)]
-    caches0 = _caches(S, H, HV, K, V, L, state_dtype, predecayed, gen, device)
+    caches0 = random_ring_caches(S, H, HV, K, V, L, state_dtype=state_dtype, predecayed=predecayed, device=device,
+                                 generator=gen)
     runs = []
     for fused in (False, True):
         caches = [c.clone() for c in caches0]
@@ -124,7 +113,7 @@ def test_fused_advance_needs_the_cursor_table() -> None:
     gen = torch.Generator().manual_seed(0)
     inp = random_decode_inputs(B, H, HV, K, V, generator=gen)
     p = random_head_params(HV, K, generator=gen)
-    caches = _caches(S, H, HV, K, V, L, torch.float32, False, gen, torch.device("cpu"))
+    caches = random_ring_caches(S, H, HV, K, V, L, generator=gen)
     before = [c.clone() for c in caches]
     out = torch.zeros(B, 1, HV, V, dtype=inp.mixed_qkv.dtype)
     rows = torch.zeros(B, dtype=torch.int32)

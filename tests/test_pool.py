@@ -70,11 +70,15 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
 
 # ---- the main scenario: many steps, several layers, churn, flushes, load_state, sentinels ---------
 
-@pytest.mark.parametrize("layout, lower_bound, A_log_shift, fused", [
+# (layout, lower_bound, A_log_shift, fused advance) of the step scenarios, CPU and CUDA-graph alike
+STEP_CASES = pytest.mark.parametrize("layout, lower_bound, A_log_shift, fused", [
     ("spec", None, 0.0, False), ("predecayed", -5.0, 0.0, False), ("predecayed", None, 4.5, False),
     ("spec", None, 0.0, True), ("predecayed", None, 4.5, True)],
     ids=["spec-layout", "predecayed-layout", "predecayed-rebasing", "spec-layout-fused-advance",
          "predecayed-rebasing-fused-advance"])
+
+
+@STEP_CASES
 def test_pool_matches_plain_kda_over_ring_cycles_with_churn(layout, lower_bound, A_log_shift, fused):
     """Two layers, >= 2 full ring cycles, padding rows, forced flushes, free + re-alloc mid-stream
     (of a never-used sentinel-filled slot and of a used one), load_state mid-ring on one layer, and
@@ -565,11 +569,7 @@ def test_debug_mode_checks(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout, lower_bound, A_log_shift, fused", [
-    ("spec", None, 0.0, False), ("predecayed", -5.0, 0.0, False), ("predecayed", None, 4.5, False),
-    ("spec", None, 0.0, True), ("predecayed", None, 4.5, True)],
-    ids=["spec-layout", "predecayed-layout", "predecayed-rebasing", "spec-layout-fused-advance",
-         "predecayed-rebasing-fused-advance"])
+@STEP_CASES
 def test_cuda_graph_step_matches_eager_bitwise(layout, lower_bound, A_log_shift, fused):
     """Capture one full model step (every layer's decode + advance) for a fixed batch, replay it over
     more than one full ring cycle with fresh inputs each step, and match eager execution bitwise (both

@@ -110,6 +110,27 @@ class PlainKDA:
         return out
 
 
+def random_ring_caches(num_slots: int, num_q_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
+                       ring_length: int, *, state_dtype: torch.dtype = torch.float32, predecayed: bool = False,
+                       device: torch.device | str = "cpu", generator: torch.Generator | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches of ``num_slots`` slots, every ring entry filled: checkpoint ``[S, HV, V, K]`` (``state_dtype``),
+    bf16 rings ``d [S, HV, L, V]`` and ``k [S, H, L, K]``, fp32 ``g [S, HV, L, K]`` (per-step log-gates in
+    ``(-0.05, 0]``). ``predecayed``: the pre-decayed layout of the same draws (``k`` per value head, ``k * exp(-G)``;
+    ``g`` cumulative). Drawn on ``device``, or with ``generator`` on the CPU and then moved."""
+    from .reference import predecay_rings
+
+    draw = torch.device("cpu") if generator is not None else torch.device(device)
+    S, H, HV, K, V, L = num_slots, num_q_heads, num_v_heads, key_dim, value_dim, ring_length
+    state = (0.05 * torch.randn(S, HV, V, K, device=draw, generator=generator)).to(state_dtype)
+    d = (0.05 * torch.randn(S, HV, L, V, device=draw, generator=generator)).bfloat16()
+    k = 0.1 * torch.randn(S, HV if predecayed else H, L, K, device=draw, generator=generator)
+    g = -0.05 * torch.rand(S, HV, L, K, device=draw, generator=generator)
+    if predecayed:
+        k, g = predecay_rings(k, g)
+    return tuple(t.to(device) for t in (state, d, k.bfloat16(), g))  # type: ignore[return-value]
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """``||actual - expected|| / ||expected||`` in float64; NaN anywhere gives ``inf``."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
