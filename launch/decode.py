@@ -9,7 +9,8 @@ construction = the first placement check), then runs an engine loop: requests ar
 prefill by ``load_state`` with random states), every step runs a tiny TP KDA layer stack around the
 pool (RMSNorm, column-parallel q/k/v/a/b projections of the rank's heads from the hidden vector
 ``x [B, D]``, ``pool.decode``, row-parallel output projection ``[B, HV_l*V] @ [HV_l*V, D]`` and an
-``all_reduce``, residual), ``pool.advance``, and requests finish (their last token force-flushes the
+``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last layer's decode moves the cursors),
+and requests finish (their last token force-flushes the
 ring) and free their slot. Rows without a request are padding rows (slot ``-1``), so the batch shape
 never changes. Every rank checks a sample of rows against the float64 oracle
 :class:`tp_replayssm.testing.PlainKDA` (outputs from the state ``read_state`` gave before the step, and
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
                    help="the pools' ring layout (ReplaySSMStatePool(ring_layout=...)): SPEC section 3's, or keys "
                         "pre-decayed by cumulative gates (faster; any gate)")
+    p.add_argument("--fused-advance", action="store_true",
+                   help="the last layer's decode moves the cursors (pool.decode(..., advance=True)) instead of a "
+                        "pool.advance call per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--min-len", type=int, default=2, help="shortest request (tokens to decode)")
@@ -274,7 +278,8 @@ class Engine:
                 mixed_qkv = mixed_qkv.to(self._wrong_device())
             t_dec = time.perf_counter()
             out = self.pool.decode(l, mixed_qkv, a, b, w["A_log"], w["dt_bias"], slots, force_flush=force,
-                                   lower_bound=args.lower_bound)
+                                   lower_bound=args.lower_bound,
+                                   advance=args.fused_advance and l == self.num_layers - 1)
             # host time of the call: a layer's first decode runs the collective check (layer 0's also
             # compiles the kernel); later ones run none (the default check mode)
             (self.first_decode if step == 0 else self.later_decode).append((l, time.perf_counter() - t_dec))
@@ -286,7 +291,8 @@ class Engine:
             x = x + y
             if sample:
                 seen.append((mixed_qkv, a, b, out))
-        self.pool.advance(slots, force)
+        if not args.fused_advance:
+            self.pool.advance(slots, force)
         self._sync()
         dt = time.perf_counter() - t0
         self.stats["engine_s"] += dt
@@ -399,7 +405,8 @@ class Engine:
                 f"(H={self.heads.num_q_heads} HV={self.heads.num_v_heads} K={self.heads.key_dim} "
                 f"V={self.heads.value_dim}, {self.num_layers} layers), batch {self.args.batch}, "
                 f"L={self.args.ring_length}, state {self.pool.state_dtype}, cache {self.pool.cache_dtype}, "
-                f"activations {self.act_dtype}",
+                f"activations {self.act_dtype}, cursor advance "
+                f"{'fused into the last decode' if self.args.fused_advance else 'by pool.advance'}",
                 f"  steps {s['steps']}, tokens {s['tokens']}, requests admitted {s['admitted']} finished "
                 f"{s['finished']}, wall {wall:.2f} s",
                 f"  throughput {s['warm_tokens'] / warm_s:.1f} tokens/s over the steps after the first "

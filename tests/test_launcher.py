@@ -44,11 +44,15 @@ def placement_error_lines(out: str, ranks: tuple[int, ...] = (0, 1)) -> list[str
 def test_launcher_end_to_end(layout: str) -> None:
     """Two gloo ranks decode with churn and check sampled rows against the float64 oracle; with
     ``--ring-layout predecayed`` the pools keep their rings pre-decayed (the log says which layout; the softplus
-    gate, so the kernel's rebase check is compiled in)."""
-    extra = ("--ring-layout", "predecayed", "--ring-length", "3") if layout == "predecayed" else ("--ring-length", "2")
+    gate, so the kernel's rebase check is compiled in), and the last layer's decode moves the cursors
+    (``--fused-advance``: the sampled states after each step are read at the moved cursors)."""
+    extra = ("--ring-layout", "predecayed", "--ring-length", "3", "--fused-advance") if layout == "predecayed" \
+        else ("--ring-length", "2")
     run = _torchrun("--steps", "4", "--batch", "3", "--seed", "1", *extra)
     out = run.stdout + run.stderr
     assert f"{layout} ring layout" in out, out[-4000:]
+    advance = "fused into the last decode" if layout == "predecayed" else "by pool.advance"
+    assert f"cursor advance {advance}" in out, out[-4000:]
     assert run.returncode == 0, out[-6000:]
     assert "RESULT: OK" in out, out[-4000:]
     assert re.search(r"throughput [0-9.]+ tokens/s", out) and re.search(r"state traffic [0-9.e+-]+ GB/s", out)
