@@ -5,7 +5,8 @@ In the fused launch every program reads its row's cursor with an atomic add of `
 readers rides above the cursor's 16 bits), and the row's last reader stores the moved cursor: the same cursor for
 every program of the row, the same outputs and caches bit for bit, the same cursors afterwards (padding rows leave
 the scratch entry alone). On CPU the kernel runs in the Triton interpreter (one program at a time), so the
-counting is checked there and the ordering on the GPU (``gpu`` marker: many programs per row, CUDA graphs).
+counting is checked there and the ordering on the GPU (``gpu`` marker: 4 to 128 programs per row; the pool's
+CUDA-graph step with the fused advance is in ``tests/test_pool.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
     step, final caches, cursor history)."""
     gen = torch.Generator().manual_seed(seed)
     params = random_head_params(HV, K, generator=gen)
-    params = dataclasses.replace(params, A_log=(params.A_log + A_log_shift).to(device), dt_bias=params.dt_bias.to(device))
+    params = dataclasses.replace(params, A_log=(params.A_log + A_log_shift).to(device),
+                                 dt_bias=params.dt_bias.to(device))
     real = B - 1 if B >= 3 else B  # a padding row from B = 3 up
     perm = torch.randperm(S, generator=gen)[:real].tolist()
     slots = torch.tensor(perm[:1] + [-1] * (B - real) + perm[1:], dtype=torch.int32, device=device)
@@ -74,7 +76,8 @@ def _assert_same(separate: tuple, fused: tuple, S: int, L: int) -> None:
     assert len(set(scratch)) == 1, scratch  # the fused launch leaves the padding rows' scratch entry alone
 
 
-@pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)], ids=["spec-layout", "predecayed-rebasing"])
+@pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)],
+                         ids=["spec-layout", "predecayed-rebasing"])
 @pytest.mark.parametrize("V", [16, 64], ids=["one-value-tile", "two-value-tiles"])
 def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: bool, A_log_shift: float) -> None:
     """GQA (H=1, HV=3), L=3 over 4 steps: every cursor phase, a flush at L-1, forced flushes, a padding row; with

@@ -327,9 +327,9 @@ class ReplaySSMStatePool:
         ``force_flush [B]`` int32 or None. Returns ``out [B, 1, HV_l, V]`` (allocated in
         ``mixed_qkv.dtype`` when None). Does not move the cursors: call :meth:`advance` once per step, or pass
         ``advance=True`` to the step's LAST decode, which then moves them in the same launch, as
-        ``advance(slots, force_flush)`` right after it would (one kernel less per step: 0.1-0.8 us less up to
-        B = 128 on the H200, -3.8% to +1.2% at B = 512; padding rows leave the scratch entry alone). Later decodes of the
-        same step would read moved cursors."""
+        ``advance(slots, force_flush)`` right after it would (one kernel less per step: 0.1-0.8 us less up
+        to B = 128 on the H200, -3.8% to +1.2% at B = 512; padding rows leave the scratch entry alone).
+        Later decodes of the same step would read moved cursors."""
         self._check_layer(layer, "decode")
         with self._guard():
             if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
