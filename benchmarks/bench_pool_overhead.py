@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Cost of the state pool over the bare op, on one GPU.
 
-1. Graph-captured model steps: ``pool.decode`` for every layer + ``pool.advance`` (SPEC section 3),
+1. Graph-captured model steps: ``pool.decode`` for every layer + ``pool.advance`` (SPEC section 3; with
+   ``--fused-advance`` also the step whose last decode moves the cursors, ``decode(..., advance=True)``),
    against the bare op ``tp_replayssm.ops.replayssm_decode`` on tensors of the same shapes, dtypes and
    slot ids (one row-indexed cursor tensor per slot set, advanced by one tiny Triton kernel per step:
    the least a caller can do). One graph holds one full cursor cycle (L model steps) per slot set;
@@ -82,6 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-reps", type=int, default=400)
     p.add_argument("--footprint-mb", type=float, default=0.0, help="0 = 4x L2 per replay")
     p.add_argument("--max-graph-steps", type=int, default=2048, help="cap on decode calls in one graph")
+    p.add_argument("--fused-advance", action="store_true",
+                   help="also time the pool's step with the last layer's decode moving the cursors "
+                        "(decode(..., advance=True), no pool.advance): pool_fused_us_step, fused_overhead_pct")
     p.add_argument("--eager-calls", type=int, default=200)
     p.add_argument("--eager-batch", default="1", help="extra batch sizes for the eager table only ('' = none)")
     p.add_argument("--no-check", action="store_true")
@@ -260,12 +264,13 @@ class Setup:
         return self.inputs[t * self.NL + layer]
 
     # one model step of one slot set
-    def pool_step(self, si: int, t: int) -> None:
+    def pool_step(self, si: int, t: int, fused: bool = False) -> None:
         for layer in range(self.NL):
             mixed, a, b, out = self.inp(t, layer)
             self.pool.decode(layer, mixed, a, b, self.A_log[layer], self.dt_bias[layer], self.slots[si],
-                             lower_bound=self.lb, out=out)
-        self.pool.advance(self.slots[si])
+                             lower_bound=self.lb, out=out, advance=fused and layer == self.NL - 1)
+        if not fused:
+            self.pool.advance(self.slots[si])
 
     def bare_call(self, si: int, t: int, layer: int) -> None:
         mixed, a, b, out = self.inp(t, layer)
@@ -278,8 +283,8 @@ class Setup:
             self.bare_call(si, t, layer)
         self.advance(self.cursors[si])
 
-    def pool_graph_fn(self) -> Callable[[], None]:
-        return self._cycles_fn(self.pool_step)
+    def pool_graph_fn(self, fused: bool = False) -> Callable[[], None]:
+        return self._cycles_fn(lambda si, t: self.pool_step(si, t, fused))
 
     def bare_graph_fn(self) -> Callable[[], None]:
         return self._cycles_fn(self.bare_step)
@@ -340,7 +345,10 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
         rep = (args.rep_ms, args.min_reps, args.max_reps)
         steps = su.n_sets * su.L
         if timed:
-            for name, fn in (("bare", su.bare_graph_fn()), ("pool", su.pool_graph_fn()), ):
+            timed_fns = [("bare", su.bare_graph_fn()), ("pool", su.pool_graph_fn())]
+            if args.fused_advance:
+                timed_fns.append(("pool_fused", su.pool_graph_fn(fused=True)))
+            for name, fn in timed_fns:
                 try:
                     gr = GraphRun(fn, steps)
                     graphs.append(gr)
@@ -352,13 +360,15 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
                         log(traceback.format_exc())
                     if _is_fatal_cuda(exc):
                         raise
-            if len(graphs) == 2:  # bare again: drift / noise
+            if "bare_us_step" in rec and len(graphs) >= 2:  # bare (graphs[0]) again: drift / noise
                 rec["bare_us_step_repeat"] = graphs[0].measure(*rep)["us"]
             if "pool_us_step" in rec and "bare_us_step" in rec:
                 bare = min(rec["bare_us_step"], rec.get("bare_us_step_repeat", math.inf))
                 rec["overhead_pct"] = 100.0 * (rec["pool_us_step"] / bare - 1.0)
                 rec["pool_us_layer"] = rec["pool_us_step"] / su.NL
                 rec["bare_us_layer"] = bare / su.NL
+                if "pool_fused_us_step" in rec:
+                    rec["fused_overhead_pct"] = 100.0 * (rec["pool_fused_us_step"] / bare - 1.0)
         # eager, per call
         n = args.eager_calls
         cands: dict[str, Callable[[], Any]] = {
@@ -435,7 +445,8 @@ def _f(v: Any, spec: str, w: int) -> str:
 def table(results: list[dict[str, Any]]) -> list[str]:
     cols = [("B", "B", "d", 4), ("HV", "HV", "d", 3), ("lay", "layers", "d", 3),
             ("pool_us", "pool_us_step", ".1f", 8), ("bare_us", "bare_us_step", ".1f", 8),
-            ("ovh%", "overhead_pct", "+.1f", 6),
+            ("ovh%", "overhead_pct", "+.1f", 6), ("fused_us", "pool_fused_us_step", ".1f", 8),
+            ("fovh%", "fused_overhead_pct", "+.1f", 6),
             ("e:pool", "pool_decode_host_us", ".1f", 7), ("e:pool_h", "pool_decode_helion_host_us", ".1f", 8),
             ("e:op", "op_host_us", ".1f", 6), ("e:op_h", "op_helion_host_us", ".1f", 6),
             ("e:valid", "validate_host_us", ".1f", 7), ("e:lnch", "launch_host_us", ".1f", 6),

@@ -204,3 +204,28 @@ def test_tune_decode_predecayed_problem_runs_the_layouts_op() -> None:
         torch.testing.assert_close(prob["out"].float(), out.float(), rtol=2e-2, atol=2e-3)
         for k in want:
             torch.testing.assert_close(prob[k].float(), want[k].float(), rtol=2**-7, atol=1e-5)
+
+
+def test_pool_overhead_fused_step_matches_the_pool_step() -> None:
+    """``bench_pool_overhead.py --fused-advance``: the step whose last decode moves the cursors leaves the pool as
+    the step with ``pool.advance`` does (interpreter, tiny shape, two layers, one full cursor cycle of each slot
+    set), and the cursors back at their start after the cycle."""
+    import copy
+
+    import bench_pool_overhead as bpo
+
+    args = bpo.parse_args(["--layers", "2", "--ring", "3", "--key-dim", "16", "--value-dim", "16", "--state", "fp32",
+                           "--act-dtype", "fp32", "--footprint-mb", "0.001", "--max-graph-steps", "12"])
+    su = bpo.Setup(2, 2, args, torch.device("cpu"), 0, ops_fn=None)
+    twin = copy.deepcopy(su)
+    start = su.pool.cursors.clone()
+    for si in range(su.n_sets):
+        for t in range(su.L):
+            su.pool_step(si, t)
+            twin.pool_step(si, t, fused=True)
+            assert torch.equal(su.pool.cursors[:-1], twin.pool.cursors[:-1]), (si, t)
+    assert torch.equal(twin.pool.cursors[:-1], start[:-1])
+    for name in ("checkpoint", "d_cache", "k_cache", "g_cache"):
+        assert torch.equal(getattr(su.pool, name), getattr(twin.pool, name)), name
+    for (_, _, _, out), (_, _, _, tout) in zip(su.inputs, twin.inputs):
+        assert torch.equal(out, tout)
