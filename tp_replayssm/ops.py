@@ -180,7 +180,8 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     rebase = rebase_pass(choice)
     readers = cursor_readers(dims, config) if advance else 0
     if advance and not cursors_by_slot:
-        raise ValueError("replayssm_decode: advance=True needs the pool's cursor table (cursors_by_slot)")
+        raise ValueError("replayssm_decode: advance=True needs the pool's cursor table [S + 1] (cursors_by_slot=True); "
+                         f"got per-row cursors `write_pos` {tuple(write_pos.shape)}")
     inputs = (mixed_qkv, a, b, A_log, dt_bias, initial_state, d_cache, k_cache, g_cache, out,
               slots, write_pos, force_flush)
     DIRECT_PLANS.launch(
