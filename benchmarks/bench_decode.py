@@ -573,7 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         durations[shape.B] = max(durations.get(shape.B, 0.0), rec["shape_s"])
         results.append(rec)
         log(f"[{i + 1}/{len(plan)}] {shape.label:30s} ours {rec.get('ours_us', float('nan')):8.1f} us "
-            f"(op {rec.get('ours_op_us', float('nan')):.1f}, fused {rec.get('ours_fused_us', float('nan')):.1f}) fla {rec.get('fla_us', float('nan')):8.1f} us "
+            f"(op {rec.get('ours_op_us', float('nan')):.1f}, fused {rec.get('ours_fused_us', float('nan')):.1f}) "
+            f"fla {rec.get('fla_us', float('nan')):8.1f} us "
             f"floor {rec['floor_replay_us']:.1f} us  check {rec.get('ours_check', '-')} "
             f"err {rec.get('ours_err_out', float('nan')):.1e}  ({rec['shape_s']:.1f} s)")
         write_outputs(results, meta, args)  # keep partial results if the run is cut

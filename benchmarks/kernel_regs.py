@@ -30,15 +30,16 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
 def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 8,
                      lower_bound: bool = False, kernel_fn: object = None,
                      tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False,
-                     mma_chunks: bool = False, predecayed: bool = False, advance_cursors: int = 0) -> dict[str, object]:
+                     mma_chunks: bool = False, predecayed: bool = False,
+                     advance_cursors: int = 0) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
     register cap; ``mma_chunks`` its tensor-core chunk path; ``predecayed`` the pre-decayed ring layout's path;
-    ``advance_cursors`` the fused cursor advance's count of readers per row, 0 for none). Register spills show up as ``stack`` bytes
-    per thread (ptxas's stack frame; the H200's Triton reports the same kernels' ``n_spills`` > 0 exactly
-    when it is nonzero). ``with_sass`` adds the disassembly as ``"sass"`` (to see where spill loads and
+    ``advance_cursors`` the fused cursor advance's count of readers per row, 0 for none). Register spills show up
+    as ``stack`` bytes per thread (ptxas's stack frame; the H200's Triton reports the same kernels' ``n_spills`` > 0
+    exactly when it is nonzero). ``with_sass`` adds the disassembly as ``"sass"`` (to see where spill loads and
     stores sit)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")

@@ -9,13 +9,12 @@ construction = the first placement check), then runs an engine loop: requests ar
 prefill by ``load_state`` with random states), every step runs a tiny TP KDA layer stack around the
 pool (RMSNorm, column-parallel q/k/v/a/b projections of the rank's heads from the hidden vector
 ``x [B, D]``, ``pool.decode``, row-parallel output projection ``[B, HV_l*V] @ [HV_l*V, D]`` and an
-``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last layer's decode moves the cursors),
-and requests finish (their last token force-flushes the
-ring) and free their slot. Rows without a request are padding rows (slot ``-1``), so the batch shape
-never changes. Every rank checks a sample of rows against the float64 oracle
-:class:`tp_replayssm.testing.PlainKDA` (outputs from the state ``read_state`` gave before the step, and
-the state after it), and the job exits non-zero on any mismatch. Rank 0 prints a summary: tokens/s,
-achieved state GB/s, memory per rank, placement-check cost.
+``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last layer's decode moves the
+cursors), and requests finish (their last token force-flushes the ring) and free their slot. Rows without
+a request are padding rows (slot ``-1``), so the batch shape never changes. Every rank checks a sample of rows
+against the float64 oracle :class:`tp_replayssm.testing.PlainKDA` (outputs from the state ``read_state`` gave
+before the step, and the state after it), and the job exits non-zero on any mismatch. Rank 0 prints a
+summary: tokens/s, achieved state GB/s, memory per rank, placement-check cost.
 
 All ranks draw the same scheduling and activation random numbers (one seed), so row ``b`` is the
 same request on every rank; weights are generated per head block, so each rank materializes only

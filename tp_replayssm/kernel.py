@@ -90,7 +90,6 @@ strides of its outer dims. That supports any strides with a contiguous last dim 
 a ``[layers, S, ...]`` pool, padded rows) without copies. Offsets are int64 (``index_dtype``).
 """
 
-
 from __future__ import annotations
 
 import functools
@@ -229,7 +228,8 @@ def replayssm_decode_kernel(
             if not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
             if advance_cursors:  # the fused advance (module docstring): the read is an atomic count of the readers
-                # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument)
+                # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument). The flush
+                # flag is read here too: `forced` below keeps its place in the code of the kernels without the flag
                 counted = hl.atomic_add(write_pos, [s64], 65536)  # cursor | (readers before this one) << 16
                 cur = counted & 65535
                 if counted >= (advance_cursors - 1) * 65536:  # the row's last reader: the others have read
