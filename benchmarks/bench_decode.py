@@ -145,6 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--fused-advance", action="store_true",
                    help="with --advance pool: also time ours with the advance fused into the decode (the pool's "
                         "decode(..., advance=True) on a step's last layer): ours_fused_us")
+    m.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
+                   help="the kernel's tiny-batch path (whole-ring loads before the cursor is read): the library's "
+                        "choice (configs.tiny_batch), or forced on / off for every shape")
+    m.add_argument("--config", default=None, metavar="VT:VC:WARPS", type=launch_choice_arg,
+                   help="force one launch choice on every shape (configs.FORCED): value tile, value chunk, warps per "
+                        "program (the register chunk path, no cap); default the library's configs.select_config")
     m.add_argument("--phase", choices=["sync", "stagger"], default="sync",
                    help="sync: all rows at the same cursor (the issue's cycle); stagger: row b starts at b %% L")
     m.add_argument("--no-l2norm", action="store_true", help="use_qk_l2norm_in_kernel=False (default True)")
@@ -178,6 +184,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.budget_s:
         args.budget_s = 80.0 if args.quick else 400.0
     return args
+
+
+def launch_choice_arg(text: str) -> tuple[int, int, int]:
+    """``--config VT:VC:WARPS``: value tile, value chunk (at most the tile) and warps, each a power of two."""
+    try:
+        vt, vc, warps = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected VT:VC:WARPS (three integers), got {text!r}") from None
+    if any(x < 1 or x & (x - 1) for x in (vt, vc, warps)) or vc > vt:
+        raise argparse.ArgumentTypeError(f"expected powers of two with VC <= VT, got {text!r}")
+    return vt, vc, warps
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -504,6 +521,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("bench_decode: no CUDA device is visible (torch.cuda.is_available() is False); this benchmark "
             "runs on the GPU machine only. Use --dry-run to print the plan and the model's byte floors here.")
         return 2
+    from tp_replayssm import configs
+
+    configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
+    if args.config:
+        vt, vc, warps = args.config
+        configs.FORCED = configs.LaunchChoice(configs.launch_config(vt, warps), vc)
     if not args.allow_autotune:
         os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")
     torch.backends.cuda.matmul.allow_tf32 = False

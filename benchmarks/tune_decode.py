@@ -175,7 +175,8 @@ def register_report() -> None:
                           f"shared={md.shared} consts={str(key)[-80:]}", flush=True)
 
 
-def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict):  # -> configs.LaunchChoice
+def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict,
+                predecayed: bool = False):  # -> configs.LaunchChoice
     """The library's pinned launch choice for this shape with some config keys replaced (the keys
     ``maxnreg`` (0: no cap), ``value_chunk`` and ``mma_chunks`` set the choice's fields of those names, not
     Helion config keys)."""
@@ -184,7 +185,7 @@ def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict
 
     dims = DecodeDims(batch=B, num_q_heads=HV, num_v_heads=HV, key_dim=128, value_dim=128, ring_length=L,
                       num_slots=B)
-    choice = configs.select_config(dims, state_dtype, torch.device("cuda"))
+    choice = configs.select_config(dims, state_dtype, torch.device("cuda"), predecayed=predecayed)
     changes = dict(changes)
     maxnreg = changes.pop("maxnreg", choice.maxnreg) or None
     value_chunk = changes.pop("value_chunk", choice.value_chunk)
@@ -254,7 +255,7 @@ def main() -> None:
                                  (c + (0,))[3] or None)
             for c in [tuple(map(int, c.split(":"))) for c in args.cands]
         ]
-        overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text)))
+        overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text), predecayed))
                      for name, text in (o.split("=", 1) for o in args.override)]
         for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
             if args.override_kernels is not None and kname not in args.override_kernels and not any(cfg is c for c in cands):

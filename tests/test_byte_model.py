@@ -192,6 +192,18 @@ def test_grid_flags_and_dry_run(capsys):
     assert "HV32 B512 L16 fp32" in capsys.readouterr().out
 
 
+def test_forced_launch_choice_and_tiny_path_flags(capsys):
+    """``--config VT:VC:WARPS`` and ``--tiny-batch`` (they set ``configs.FORCED`` / ``FORCED_TINY_BATCH`` on the GPU)."""
+    bd = _bench_decode()
+    args = bd.parse_args(["--config", "32:32:4", "--tiny-batch", "on"])
+    assert args.config == (32, 32, 4) and args.tiny_batch == "on"
+    assert bd.parse_args([]).config is None and bd.parse_args([]).tiny_batch == "auto"
+    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4"):
+        with pytest.raises(SystemExit):
+            bd.parse_args(["--config", bad])
+    assert "VT:VC:WARPS" in capsys.readouterr().err
+
+
 def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
     bd = _bench_decode()
     monkeypatch.setattr(bd.torch.cuda, "is_available", lambda: False)

@@ -119,6 +119,29 @@ def test_tensor_core_chunks_regime() -> None:
     assert not wide.mma_chunks and wide.maxnreg is None
 
 
+def test_small_grids_load_one_chunk_then_take_one_warp_from_96_pairs() -> None:
+    """Below 16 (row, head) pairs the tiny-batch programs (16 value rows, 4 warps); from 16 pairs 4-warp programs of
+    32 value rows in one chunk, so all of a program's checkpoint loads leave before its ring prologue, but from 64
+    pairs the SPEC layout's programs keep 64 rows in two chunks (as keys wider than 128 do in both layouts); from
+    ``ONE_WARP_FROM`` (96) pairs one-warp programs in 16-row chunks."""
+    assert configs.ONE_WARP_FROM == 96
+    dev = torch.device("cuda", 0)
+    one_chunk, two_chunks, one_warp = (32, 32, 4), (64, 32, 4), (32, 16, 1)
+    expect = {(1, 8): ((16, 16, 4),) * 2, (1, 32): (one_chunk,) * 2, (8, 4): (one_chunk,) * 2,
+              (8, 8): (two_chunks, one_chunk), (2, 32): (two_chunks, one_chunk), (5, 19): (two_chunks, one_chunk),
+              (8, 12): (one_warp,) * 2, (4, 24): (one_warp,) * 2, (8, 16): (one_warp,) * 2}
+    for (batch, heads), wants in expect.items():
+        for predecayed, want in zip((False, True), wants):
+            for state in (torch.float32, torch.bfloat16):
+                c = configs.select_config(DecodeDims(batch, heads, heads, 128, 128, 16, batch), state, dev,
+                                          predecayed=predecayed)
+                got = (c.config.config["block_sizes"][0], c.value_chunk, c.config.config["num_warps"])
+                assert got == want and c.maxnreg is None and not c.mma_chunks, (batch, heads, predecayed, state, got)
+    for predecayed in (False, True):
+        wide = configs.select_config(DecodeDims(8, 8, 8, 256, 128, 16, 8), torch.float32, dev, predecayed=predecayed)
+        assert (wide.config.config["block_sizes"][0], wide.value_chunk, wide.config.config["num_warps"]) == two_chunks
+
+
 def test_grid_rules_count_waves_of_the_devices_sms(monkeypatch: pytest.MonkeyPatch) -> None:
     """Value tile and register cap follow the device's multiprocessor count. With the H200's 132 SMs (one
     wave: 1056 uncapped one-warp programs, 1584 capped) 256 pairs take vt 32 and 2048 tensor-core programs

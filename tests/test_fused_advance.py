@@ -17,7 +17,7 @@ import inspect
 import pytest
 import torch
 
-from tp_replayssm import cursor_kernel, kernel, ops
+from tp_replayssm import configs, cursor_kernel, kernel, ops
 from tp_replayssm._validation import DecodeDims
 from tp_replayssm.configs import launch_config, select_config
 from tp_replayssm.testing import random_decode_inputs, random_head_params, random_ring_caches
@@ -76,12 +76,16 @@ def _assert_same(separate: tuple, fused: tuple, S: int, L: int) -> None:
     assert len(set(scratch)) == 1, scratch  # the fused launch leaves the padding rows' scratch entry alone
 
 
+@pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
 @pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)],
                          ids=["spec-layout", "predecayed-rebasing"])
 @pytest.mark.parametrize("V", [16, 64], ids=["one-value-tile", "two-value-tiles"])
-def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: bool, A_log_shift: float) -> None:
+def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: bool, A_log_shift: float, tiny: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA (H=1, HV=3), L=3 over 4 steps: every cursor phase, a flush at L-1, forced flushes, a padding row; with
-    V=64 two value tiles per head, so each row has six readers (``ops.cursor_readers``)."""
+    V=64 two value tiles per head, so each row has six readers (``ops.cursor_readers``). Both kernel paths
+    (``configs.tiny_batch``): the whole ring loaded before the atomic cursor read, or the live entries after it."""
+    monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
     S, L = 5, 3
     dims = DecodeDims(3, 1, 3, 16, V, L, S)
     config = select_config(dims, torch.float32, torch.device("cpu")).config  # value tile min(32, V)
@@ -126,9 +130,13 @@ def test_fused_advance_needs_the_cursor_table() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, caches))
 
 
-GPU_SHAPES = {  # (B, HV, state dtype): readers per row from 4 (HV4 B512) to 128 (HV32 B1 / B8)
-    "HV32-B1-bf16": (1, 32, torch.bfloat16), "HV32-B8-fp32": (8, 32, torch.float32),
-    "HV16-B8-bf16": (8, 16, torch.bfloat16), "HV12-B128-bf16": (128, 12, torch.bfloat16),
+# (B, HV, state dtype): readers per row from 4 (HV4 B512) to 128 (HV32 B1 / B8); HV8 B1 is tiny-batch, HV8 B8 4-warp
+# programs (one chunk pre-decayed, two SPEC), HV12 B8 the smallest one-warp grid (configs.ONE_WARP_FROM)
+GPU_SHAPES = {
+    "HV32-B1-bf16": (1, 32, torch.bfloat16), "HV8-B1-bf16": (1, 8, torch.bfloat16),
+    "HV32-B8-fp32": (8, 32, torch.float32), "HV16-B8-bf16": (8, 16, torch.bfloat16),
+    "HV8-B8-bf16": (8, 8, torch.bfloat16), "HV12-B8-fp32": (8, 12, torch.float32),
+    "HV12-B128-bf16": (128, 12, torch.bfloat16),
     "HV32-B512-bf16": (512, 32, torch.bfloat16), "HV4-B512-fp32": (512, 4, torch.float32),
 }
 

@@ -57,6 +57,19 @@ FORCED_REBASE_PASS: bool | None = None
 TINY_BATCH_BELOW = 16
 
 
+# One-warp programs from this many (row, value head) pairs up (K <= 128). From 16 pairs up to here 4-warp programs
+# of 32 value rows taken as one chunk, so all their checkpoint loads leave before the ring prologue; but from 64
+# pairs the SPEC layout keeps 64 rows in two chunks (the second loaded after the prologue). H200, eighteenth session,
+# us/step, bf16 / fp32 state, vt:vc:warps; the pre-decayed pool step with the fused advance (bench_decode.py
+# --ring-layout predecayed --fused-advance, on a variant whose last reader stored the cursor at its program's end):
+# - 64 pairs (HV8 B8, HV32 B2, HV16 B4, HV4 B16): 64:32:4 4.9 / 5.1 at HV8 and 5.0 / 5.1 at the other three; 32:32:4
+#   4.2 / 4.6-4.7 at all four (FLA at HV8 B8: 4.3 / 5.0); 32:32:2 4.3 / 4.8; 32:16:1 4.7 / 4.9 (HV8);
+# - 96 pairs (HV12 B8): 64:32:4 5.5 / 6.0, 32:32:4 5.2 / 6.1, 32:32:2 5.0 / 5.8, 32:16:1 (one warp) 5.0 / 5.4 (FLA
+#   4.7 / 5.6); the SPEC layout's op + advance 7.8 / 8.2 (thirteenth session) -> 7.4 / 7.9 with one warp;
+# - the SPEC layout at HV8 B8 with 32:32:4: the op alone on per-row cursors 6.81 / 7.45 against the thirteenth
+#   session's 5.7 / 5.6 with 64:32:4, op + advance 6.5 / 6.9 against 6.6 / 6.6 (one sample each, not explained).
+ONE_WARP_FROM = 96
+
 # Positions of the checkpoint-chunk loads (the first chunk's, then the prefetches in the append and the
 # flush loops) in Helion's list of the kernel's loads (``load_eviction_policies``) on the register chunk
 # path, the only one that pins the hint (the 4-warp choices of keys wider than 128); tests/test_configs.py
@@ -144,9 +157,10 @@ def _capped_one_wave(programs: int, sms: int) -> bool:
 
 
 def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.device,
-                  ring_dtype: torch.dtype = torch.bfloat16) -> LaunchChoice:
-    """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's. The
-    same choice serves both ring layouts and every pre-decayed mode (below)."""
+                  ring_dtype: torch.dtype = torch.bfloat16, predecayed: bool = False) -> LaunchChoice:
+    """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's,
+    ``predecayed`` the pre-decayed ring layout's call. The same choice serves both ring layouts and every
+    pre-decayed mode but at 64-95 (row, head) pairs (``ONE_WARP_FROM``)."""
     bf16_operands = state_dtype == torch.bfloat16 and ring_dtype == torch.bfloat16  # exact MMA operands
     if device.type != "cuda":  # the interpreter runs both chunk paths: tensor cores when the operands allow
         return LaunchChoice(launch_config(32, 4), 16, None, bf16_operands)
@@ -154,9 +168,10 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
     evict = False
-    # One warp per program from 128 (row, head) pairs up: no cross-warp reductions or scans, and 8 KiB
-    # fp32 chunks in flight per warp. A [16, K] fp32 tile is 64 registers per thread at K = 128 (~255 in
-    # all, 8 programs per SM; only the flush loop spills, 16 B), so wider keys keep the 4-warp programs.
+    # One warp per program from ONE_WARP_FROM (96; 128 until the eighteenth session) (row, head) pairs up: no
+    # cross-warp reductions or scans, and 8 KiB fp32 chunks in flight per warp. A [16, K] fp32 tile is 64 registers
+    # per thread at K = 128 (~255 in all, 8 programs per SM; only the flush loop spills, 16 B), so wider keys keep
+    # the 4-warp programs.
     # The value tile: see _one_wave_value_tile. H200, 2026-11-30 (seventh session), us/step against the
     # 4-warp choices: HV32 B512 fp32 524 -> 400, bf16 460 -> 312; HV8 B512 fp32 139 -> 104, bf16
     # 121 -> 80; HV32 B16 20.0 (vt 128) -> 14.9 (vt 64); HV32 B8 12.5 -> 10.5 (vt 32); below 128 pairs
@@ -175,7 +190,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # so smaller grids keep the register path and its first-chunk prefetch ahead of the ring prologue.
     one_warp = dims.key_dim <= 128
     mma, maxnreg = False, None
-    if programs_full >= 128 and one_warp:
+    if programs_full >= ONE_WARP_FROM and one_warp:
         chunk, warps = 16, 1
         sms = _sm_count(device)
         vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
@@ -195,9 +210,9 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         evict = True
     elif programs_full >= 128:
         vt, chunk, warps = 64, 16, 2
-    elif programs_full >= 64:
+    elif programs_full >= 64 and not (one_warp and predecayed):  # the SPEC layout and wide keys: two chunks
         vt, chunk, warps = 64, 32, 4
-    elif programs_full >= 16:
+    elif programs_full >= 16:  # one chunk: the whole tile is loaded before the ring prologue (ONE_WARP_FROM)
         vt, chunk, warps = 32, 32, 4
     else:
         vt, chunk, warps = 16, 16, 4

@@ -174,7 +174,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     ``cursors_by_slot`` only) fuses the cursor advance (:func:`decode_with_cursor_table`). On CUDA a repeated
     call of the same metadata goes straight to the compiled kernel (:mod:`.direct_launch`)."""
     install_libdevice_shim()
-    choice = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype)
+    choice = select_config(dims, initial_state.dtype, mixed_qkv.device, d_cache.dtype, predecayed)
     config, value_chunk, maxnreg, mma_chunks = choice
     tiny = tiny_batch(dims)
     rebase = rebase_pass(choice)
