@@ -146,7 +146,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="with --advance pool: also time ours with the advance fused into the decode (the pool's "
                         "decode(..., advance=True) on a step's last layer): ours_fused_us")
     m.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
-                   help="the kernel's tiny-batch path (whole-ring loads before the cursor is read): the library's "
+                   help="the kernel's tiny-batch path (whole-ring loads that do not wait for the cursor): the library's "
                         "choice (configs.tiny_batch), or forced on / off for every shape")
     m.add_argument("--config", default=None, metavar="VT:VC:WARPS", type=launch_choice_arg,
                    help="force one launch choice on every shape (configs.FORCED): value tile, value chunk, warps per "

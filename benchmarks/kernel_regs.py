@@ -50,13 +50,14 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(REPO))
-    from tp_replayssm import kernel
+    from tp_replayssm import configs, kernel
     from tp_replayssm.testing import example_kernel_args
 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
                                tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed,
-                               rebase_pass=maxnreg is not None, cursors_by_slot=advance_cursors > 0,
+                               rebase_pass=configs.rebase_pass(configs.LaunchChoice(config, vc, maxnreg, mma_chunks)),
+                               cursors_by_slot=advance_cursors > 0,
                                advance_cursors=advance_cursors)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel

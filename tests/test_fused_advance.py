@@ -84,7 +84,7 @@ def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: b
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA (H=1, HV=3), L=3 over 4 steps: every cursor phase, a flush at L-1, forced flushes, a padding row; with
     V=64 two value tiles per head, so each row has six readers (``ops.cursor_readers``). Both kernel paths
-    (``configs.tiny_batch``): the whole ring loaded before the atomic cursor read, or the live entries after it."""
+    (``configs.tiny_batch``): the whole ring loaded without waiting for the atomic cursor read, or the live entries."""
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
     S, L = 5, 3
     dims = DecodeDims(3, 1, 3, 16, V, L, S)

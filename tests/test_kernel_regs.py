@@ -51,7 +51,7 @@ for batch, hv, state, lb, pd in ((512, 32, torch.float32, False, False), (512, 3
                                  (128, 12, torch.float32, False, True), (8, 16, torch.bfloat16, False, "fused"),
                                  (512, 32, torch.bfloat16, False, "fused")):
     dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
-    config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0))
+    config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0), predecayed=bool(pd))
     fused = cursor_readers(dims, config) if pd == "fused" else 0  # the pre-decayed kernel with the fused advance
     r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16", lower_bound=lb,
                          tiny=tiny_batch(dims), maxnreg=maxnreg, with_sass=True, mma_chunks=mma, predecayed=bool(pd),

@@ -79,9 +79,9 @@ programs that read it before this one. The n-th reader (count n-1) stores the mo
 orders them: each program sees the cursor of this step, the store comes after all n reads, and nothing else
 touches the word during the launch (slots are distinct in a batch; padding rows read no cursor and leave the
 scratch entry alone). Between launches the count bits are 0, so the other layers' plain reads see cursors.
-The atomic costs ~0.3-0.5 us over the plain read at small batches (the step is ~0.4 us shorter than decode +
-advance at B = 1); at B = 512 the fused step is 3.8% faster to 1.2% slower (benchmarks/RESULTS.md, seventeenth
-session).
+At B <= 8 the fused step is 0.2-0.7 us longer than the op alone on per-row cursors (the table's cursor is read
+after the slot, with an atomic; the two were not timed apart) and ~0.4 us shorter than decode + advance at B = 1;
+at B = 512 it is 3.8% faster to 1.2% slower (benchmarks/RESULTS.md, seventeenth session).
 
 Addressing. Slots come from ``ssm_state_indices`` at run time, so caches are indexed by element
 offsets: the wrapper passes each cache as an overlapping "row" view ``[span, last]`` with strides
