@@ -148,9 +148,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
                    help="the kernel's tiny-batch path (whole-ring loads that do not wait for the cursor): the library's "
                         "choice (configs.tiny_batch), or forced on / off for every shape")
-    m.add_argument("--config", default=None, metavar="VT:VC:WARPS", type=launch_choice_arg,
+    m.add_argument("--config", default=None, metavar="VT:VC:WARPS[:MAXNREG[:mma]]", type=launch_choice_arg,
                    help="force one launch choice on every shape (configs.FORCED): value tile, value chunk, warps per "
-                        "program (the register chunk path, no cap); default the library's configs.select_config")
+                        "program, then optionally a register cap (0: none) and 'mma' for the tensor-core chunk path "
+                        "(bf16 checkpoint and rings; else the register chunk path); default the library's "
+                        "configs.select_config")
     m.add_argument("--phase", choices=["sync", "stagger"], default="sync",
                    help="sync: all rows at the same cursor (the issue's cycle); stagger: row b starts at b %% L")
     m.add_argument("--no-l2norm", action="store_true", help="use_qk_l2norm_in_kernel=False (default True)")
@@ -186,15 +188,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def launch_choice_arg(text: str) -> tuple[int, int, int]:
-    """``--config VT:VC:WARPS``: value tile, value chunk (at most the tile) and warps, each a power of two."""
+def launch_choice_arg(text: str) -> tuple[int, int, int, int | None, bool]:
+    """``--config VT:VC:WARPS[:MAXNREG[:mma]]``: value tile, value chunk (at most the tile) and warps, each a power of
+    two; an optional register cap per thread (0: none, else 24-255) and ``mma`` for the tensor-core chunk path (3
+    pipeline stages, as ``configs.select_config`` pins it; the kernel takes it with a bf16 checkpoint and bf16 rings).
+    Returns ``(vt, vc, warps, maxnreg or None, mma)``."""
+    fields = text.split(":")
+    mma = len(fields) == 5 and fields[4] == "mma"
     try:
-        vt, vc, warps = (int(x) for x in text.split(":"))
+        if len(fields) not in (3, 4, 5) or (len(fields) == 5 and not mma):
+            raise ValueError
+        vt, vc, warps, maxnreg = (int(x) for x in (fields + ["0"])[:4])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VT:VC:WARPS (three integers), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected VT:VC:WARPS[:MAXNREG[:mma]] (integers, then the word mma), "
+                                         f"got {text!r}") from None
     if any(x < 1 or x & (x - 1) for x in (vt, vc, warps)) or vc > vt:
         raise argparse.ArgumentTypeError(f"expected powers of two with VC <= VT, got {text!r}")
-    return vt, vc, warps
+    if maxnreg and not 24 <= maxnreg <= 255:
+        raise argparse.ArgumentTypeError(f"expected MAXNREG 0 (no cap) or 24-255, got {maxnreg} in {text!r}")
+    return vt, vc, warps, maxnreg or None, mma
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -525,8 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
     if args.config:
-        vt, vc, warps = args.config
-        configs.FORCED = configs.LaunchChoice(configs.launch_config(vt, warps), vc)
+        vt, vc, warps, maxnreg, mma = args.config
+        configs.FORCED = configs.LaunchChoice(configs.launch_config(vt, warps, chunk_stages=3 if mma else 0), vc,
+                                              maxnreg, mma)
     if not args.allow_autotune:
         os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -78,6 +78,8 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
     if sc.A_log_shift:
         params = dataclasses.replace(params, A_log=params.A_log + sc.A_log_shift)
     n_active = sc.B - sc.pad_rows
+    if not 1 <= n_active <= sc.S:  # a scenario without an active row would check nothing
+        raise ValueError(f"Scenario: B - pad_rows = {sc.B} - {sc.pad_rows} active rows, expected 1..S = 1..{sc.S}")
     perm = torch.randperm(sc.S, generator=gen)
     active, unused = perm[:n_active], perm[n_active:]
     slots = torch.full((sc.B,), -1, dtype=torch.int32)

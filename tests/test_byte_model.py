@@ -193,12 +193,15 @@ def test_grid_flags_and_dry_run(capsys):
 
 
 def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS`` and ``--tiny-batch`` (they set ``configs.FORCED`` / ``FORCED_TINY_BATCH`` on the GPU)."""
+    """``--config VT:VC:WARPS[:MAXNREG[:mma]]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
+    ``FORCED_TINY_BATCH`` on the GPU)."""
     bd = _bench_decode()
     args = bd.parse_args(["--config", "32:32:4", "--tiny-batch", "on"])
-    assert args.config == (32, 32, 4) and args.tiny_batch == "on"
+    assert args.config == (32, 32, 4, None, False) and args.tiny_batch == "on"
+    assert bd.parse_args(["--config", "64:16:1:0:mma"]).config == (64, 16, 1, None, True)
+    assert bd.parse_args(["--config", "32:8:1:168"]).config == (32, 8, 1, 168, False)
     assert bd.parse_args([]).config is None and bd.parse_args([]).tiny_batch == "auto"
-    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4"):
+    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4", "64:16:1:300", "64:16:1:0:tc", "64:16:1:0:mma:x"):
         with pytest.raises(SystemExit):
             bd.parse_args(["--config", bad])
     assert "VT:VC:WARPS" in capsys.readouterr().err

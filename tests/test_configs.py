@@ -119,17 +119,22 @@ def test_tensor_core_chunks_regime() -> None:
     assert not wide.mma_chunks and wide.maxnreg is None
 
 
-def test_small_grids_load_one_chunk_then_take_one_warp_from_96_pairs() -> None:
-    """Below 16 (row, head) pairs the tiny-batch programs (16 value rows, 4 warps); from 16 pairs 4-warp programs of
-    32 value rows in one chunk, so all of a program's checkpoint loads leave before its ring prologue, but from 64
-    pairs the SPEC layout's programs keep 64 rows in two chunks (as keys wider than 128 do in both layouts); from
-    ``ONE_WARP_FROM`` (96) pairs one-warp programs in 16-row chunks."""
-    assert configs.ONE_WARP_FROM == 96
+def test_small_grids_one_chunk_per_program_one_warp_from_96_pairs_or_16_pre_decayed() -> None:
+    """Below 16 (row, head) pairs the tiny-batch programs (16 value rows, 4 warps) in both layouts. The SPEC layout:
+    from 16 pairs 4-warp programs of 32 value rows in one chunk, so all of a program's checkpoint loads leave before
+    its ring prologue, from 64 pairs 64 rows in two chunks (as keys wider than 128 take in both layouts), from
+    ``ONE_WARP_FROM`` (96) pairs one-warp programs in 16-row chunks over 32 rows. The pre-decayed layout: one-warp
+    programs from ``ONE_WARP_FROM_PREDECAYED`` (16) pairs, one 16-row tile each while that grid fits one wave (132
+    pairs on 132 SMs), then 32 rows."""
+    assert configs.ONE_WARP_FROM == 96 and configs.ONE_WARP_FROM_PREDECAYED == configs.TINY_BATCH_BELOW == 16
     dev = torch.device("cuda", 0)
-    one_chunk, two_chunks, one_warp = (32, 32, 4), (64, 32, 4), (32, 16, 1)
-    expect = {(1, 8): ((16, 16, 4),) * 2, (1, 32): (one_chunk,) * 2, (8, 4): (one_chunk,) * 2,
-              (8, 8): (two_chunks, one_chunk), (2, 32): (two_chunks, one_chunk), (5, 19): (two_chunks, one_chunk),
-              (8, 12): (one_warp,) * 2, (4, 24): (one_warp,) * 2, (8, 16): (one_warp,) * 2}
+    one_chunk, two_chunks, one_warp, one_row_tile = (32, 32, 4), (64, 32, 4), (32, 16, 1), (16, 16, 1)
+    expect = {(1, 8): ((16, 16, 4),) * 2, (3, 5): ((16, 16, 4),) * 2, (1, 16): (one_chunk, one_row_tile),
+              (1, 32): (one_chunk, one_row_tile), (8, 4): (one_chunk, one_row_tile),
+              (8, 8): (two_chunks, one_row_tile), (2, 32): (two_chunks, one_row_tile),
+              (5, 19): (two_chunks, one_row_tile), (8, 12): (one_warp, one_row_tile),
+              (4, 24): (one_warp, one_row_tile), (8, 16): (one_warp, one_row_tile), (4, 33): (one_warp, one_row_tile),
+              (7, 19): (one_warp, one_warp), (8, 32): (one_warp, one_warp)}
     for (batch, heads), wants in expect.items():
         for predecayed, want in zip((False, True), wants):
             for state in (torch.float32, torch.bfloat16):

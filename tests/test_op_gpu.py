@@ -81,10 +81,13 @@ def test_fp32_register_path_under_the_one_wave_cap() -> None:
 
 
 # (H, HV, B); HV12 B128 is a register-capped grid (1536 programs: one wave at 12 per SM), with either checkpoint
-PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8), (12, 12, 128)]
+# and the one-warp 16-row tiles of 16-132 pairs (HV32 B1, HV8 B8, HV12 B8, HV16 B8)
+PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32, 64), (12, 12, 8), (12, 12, 128),
+                     (32, 32, 1), (8, 8, 8)]
 # the gates: KDA's bounded one at -5 (L = 16: keys up to exp(75), no rebase), the softplus one at the usual
-# strength, and softplus gates exp(4.5) times stronger (heads rebase; four shapes: tiny, one-warp, MMA chunks,
-# and MMA chunks under the register cap, where the rebase is a pass of its own: ops.predecayed_mode 3)
+# strength, and softplus gates exp(4.5) times stronger (heads rebase; five shapes: tiny, one-warp with 16-row and
+# 64-row tiles, MMA chunks, and MMA chunks under the register cap, where the rebase is a pass of its own:
+# ops.predecayed_mode 3)
 PREDECAYED_CASES = ([(h, hv, b, gate) for h, hv, b in PREDECAYED_SHAPES for gate in ("bounded", "softplus")]
                     + [(h, hv, b, "rebasing") for h, hv, b in PREDECAYED_SHAPES if b in (1, 32, 256, 128)])
 
@@ -111,12 +114,16 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
 
 
-@pytest.mark.parametrize("B,HV", [(8, 8), (64, 16)], ids=["4-warp", "1-warp"])
-def test_predecayed_fp32_ring_rebases(B: int, HV: int) -> None:
-    """fp32 rings (the flush's ring replay as rank-1 updates) with heads rebasing, in a four-warp and a one-warp
-    program: a rebase zeroes the deltas the replay has just read, behind a CTA barrier."""
+@pytest.mark.parametrize("B,HV,warps", [(1, 8, 4), (64, 16, 1)], ids=["4-warp", "1-warp"])
+def test_predecayed_fp32_ring_rebases(B: int, HV: int, warps: int) -> None:
+    """fp32 rings (the flush's ring replay as rank-1 updates) with heads rebasing, in a four-warp (the tiny-batch
+    path's) and a one-warp program: a rebase zeroes the deltas the replay has just read, behind a CTA barrier."""
+    choice = configs.select_config(DecodeDims(B, HV, HV, 128, 128, 16, B + 3), torch.float32, torch.device("cuda"),
+                                   torch.float32, predecayed=True)
+    assert choice.config.config["num_warps"] == warps, choice
     sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, act_dtype=torch.float32, cache_dtype=torch.float32,
-                  steps=17, flush_prob=0.05, predecayed=True, A_log_shift=4.5, seed=B + HV, device="cuda")
+                  steps=17, pad_rows=1 if B > 1 else 0, flush_prob=0.05, predecayed=True, A_log_shift=4.5,
+                  seed=B + HV, device="cuda")
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     RESULTS.append(dict(case=f"predecayed-fp32ring-rebasing-B{B}-HV{HV}", **vars(worst)))
     assert worst.rebases > 0 and worst.flushes > 0, worst

@@ -57,18 +57,26 @@ FORCED_REBASE_PASS: bool | None = None
 TINY_BATCH_BELOW = 16
 
 
-# One-warp programs from this many (row, value head) pairs up (K <= 128). From 16 pairs up to here 4-warp programs
-# of 32 value rows taken as one chunk, so all their checkpoint loads leave before the ring prologue; but from 64
-# pairs the SPEC layout keeps 64 rows in two chunks (the second loaded after the prologue). H200, eighteenth session,
-# us/step, bf16 / fp32 state, vt:vc:warps; the pre-decayed pool step with the fused advance (bench_decode.py
-# --ring-layout predecayed --fused-advance, on a variant whose last reader stored the cursor at its program's end):
-# - 64 pairs (HV8 B8, HV32 B2, HV16 B4, HV4 B16): 64:32:4 4.9 / 5.1 at HV8 and 5.0 / 5.1 at the other three; 32:32:4
-#   4.2 / 4.6-4.7 at all four (FLA at HV8 B8: 4.3 / 5.0); 32:32:2 4.3 / 4.8; 32:16:1 4.7 / 4.9 (HV8);
-# - 96 pairs (HV12 B8): 64:32:4 5.5 / 6.0, 32:32:4 5.2 / 6.1, 32:32:2 5.0 / 5.8, 32:16:1 (one warp) 5.0 / 5.4 (FLA
-#   4.7 / 5.6); the SPEC layout's op + advance 7.8 / 8.2 (thirteenth session) -> 7.4 / 7.9 with one warp;
-# - the SPEC layout at HV8 B8 with 32:32:4: the op alone on per-row cursors 6.81 / 7.45 against the thirteenth
-#   session's 5.7 / 5.6 with 64:32:4, op + advance 6.5 / 6.9 against 6.6 / 6.6 (one sample each, not explained).
+# One-warp programs from this many (row, value head) pairs up (K <= 128) in the SPEC layout; below, 4-warp programs
+# (from 64 pairs over 64 value rows in two chunks, the second loaded after the ring prologue; from 16 pairs over 32
+# rows in one chunk). The pre-decayed layout takes one-warp programs from ONE_WARP_FROM_PREDECAYED pairs, with
+# 16-row value tiles up to one wave (_one_wave_value_tile): one chunk per program, loaded before the ring prologue.
+# H200, us/step, bf16 / fp32 state, vt:vc:warps; the pre-decayed pool step with the fused advance (bench_decode.py
+# --ring-layout predecayed --fused-advance):
+# - eighteenth session (on a variant whose last reader stored the cursor at its program's end): 64 pairs (HV8 B8,
+#   HV32 B2, HV16 B4, HV4 B16): 64:32:4 4.9 / 5.1 at HV8 and 5.0 / 5.1 at the other three; 32:32:4 4.2 / 4.6-4.7
+#   at all four; 32:32:2 4.3 / 4.8; 32:16:1 4.7 / 4.9 (HV8); 96 pairs (HV12 B8): 64:32:4 5.5 / 6.0, 32:32:4
+#   5.2 / 6.1, 32:32:2 5.0 / 5.8, 32:16:1 5.0 / 5.4; the SPEC layout's op + advance 7.8 / 8.2 (thirteenth session)
+#   -> 7.4 / 7.9 with one warp; the SPEC layout at HV8 B8 with 32:32:4: the op alone on per-row cursors 6.81 /
+#   7.45 against the thirteenth session's 5.7 / 5.6 with 64:32:4 (one sample, not explained);
+# - nineteenth session, the library's choice of the time -> 16:16:1 (two calls at HV12 / HV8 B8, 0.06 us apart):
+#   32 pairs HV32 B1 3.79 / 4.02 -> 3.65 / 3.73 (16:16:4 - / 3.85, 16:16:2 - / 3.87, 32:32:2 - / 4.41), HV4 B8
+#   3.80 / 3.96 -> 3.65 / 3.77; 16 pairs HV16 B1 3.70 / 3.84 -> 3.65 / 3.58; 64 pairs HV8 B8 4.20 / 4.64 -> 3.86 /
+#   4.11 (16:16:2 4.66 / 4.96); 96 pairs HV12 B8 (32:16:1) 5.12 / 5.00 -> 4.72 / 5.22 (16:16:2 4.78 / 5.07); 128
+#   pairs (32:16:1) HV16 B8 4.92 / 5.59 -> 4.82 / 5.34, HV4 B32 4.93 / 5.54 -> 4.75 / 5.32. Below 16 pairs (the
+#   tiny-batch path, 16:16:4) one warp was 0.1-0.3 us slower (HV12 / HV8 / HV4 B1 3.2-3.3 -> 3.4-3.5).
 ONE_WARP_FROM = 96
+ONE_WARP_FROM_PREDECAYED = TINY_BATCH_BELOW
 
 # Positions of the checkpoint-chunk loads (the first chunk's, then the prefetches in the append and the
 # flush loops) in Helion's list of the kernel's loads (``load_eviction_policies``) on the register chunk
@@ -123,15 +131,16 @@ def _waves(programs: int, per_sm: int, sms: int) -> int:
     return -(-programs // (per_sm * sms))
 
 
-def _one_wave_value_tile(pairs: int, value_dim: int, sms: int) -> int:
-    """The one-warp programs' value tile: the narrowest of 32 / 64 / 128 whose grid (``pairs`` programs per
-    value tile) still fits one wave of ``PROGRAMS_PER_SM`` per SM, else 128: as many programs in flight as
-    fit, and no second, partial wave. H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32
-    (1536 programs) fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16
-    B32 (512 pairs) vt 64 13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The
-    rule keeps the earlier choices at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
-    for vt in (32, 64):
-        if _programs(pairs, value_dim, vt) <= PROGRAMS_PER_SM * sms:
+def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int = 32) -> int:
+    """The one-warp programs' value tile: the narrowest of ``narrowest`` (16 in the pre-decayed layout, else 32) /
+    32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of ``PROGRAMS_PER_SM`` per
+    SM, else 128: as many programs in flight as fit, and no second, partial wave (the 16-row tiles' data:
+    ``ONE_WARP_FROM``). H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32 (1536 programs)
+    fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16 B32 (512 pairs) vt 64
+    13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The rule keeps the earlier choices
+    at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
+    for vt in (16, 32, 64):
+        if vt >= narrowest and _programs(pairs, value_dim, vt) <= PROGRAMS_PER_SM * sms:
             return vt
     return 128
 
@@ -160,7 +169,7 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
                   ring_dtype: torch.dtype = torch.bfloat16, predecayed: bool = False) -> LaunchChoice:
     """The pinned launch choice for one call (see the module docstring); ``ring_dtype`` is the d ring's,
     ``predecayed`` the pre-decayed ring layout's call. The same choice serves both ring layouts and every
-    pre-decayed mode but at 64-95 (row, head) pairs (``ONE_WARP_FROM``)."""
+    pre-decayed mode but at 16-132 (row, head) pairs (``ONE_WARP_FROM``, ``ONE_WARP_FROM_PREDECAYED``)."""
     bf16_operands = state_dtype == torch.bfloat16 and ring_dtype == torch.bfloat16  # exact MMA operands
     if device.type != "cuda":  # the interpreter runs both chunk paths: tensor cores when the operands allow
         return LaunchChoice(launch_config(32, 4), 16, None, bf16_operands)
@@ -168,7 +177,8 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         return FORCED
     programs_full = dims.batch * dims.num_v_heads  # programs when one program covers all of V
     evict = False
-    # One warp per program from ONE_WARP_FROM (96; 128 until the eighteenth session) (row, head) pairs up: no
+    # One warp per program from ONE_WARP_FROM (96; 128 until the eighteenth session) (row, head) pairs up, and in the
+    # pre-decayed layout from ONE_WARP_FROM_PREDECAYED (16; the nineteenth session) with 16-row tiles where they fit: no
     # cross-warp reductions or scans, and 8 KiB fp32 chunks in flight per warp. A [16, K] fp32 tile is 64 registers
     # per thread at K = 128 (~255 in all, 8 programs per SM; only the flush loop spills, 16 B), so wider keys keep
     # the 4-warp programs.
@@ -190,10 +200,10 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     # so smaller grids keep the register path and its first-chunk prefetch ahead of the ring prologue.
     one_warp = dims.key_dim <= 128
     mma, maxnreg = False, None
-    if programs_full >= ONE_WARP_FROM and one_warp:
+    if one_warp and programs_full >= (ONE_WARP_FROM_PREDECAYED if predecayed else ONE_WARP_FROM):
         chunk, warps = 16, 1
         sms = _sm_count(device)
-        vt = _one_wave_value_tile(programs_full, dims.value_dim, sms)
+        vt = _one_wave_value_tile(programs_full, dims.value_dim, sms, 16 if predecayed else 32)
         mma = programs_full >= 1024 and bf16_operands
         # The pre-decayed layout's rebase-check kernel keeps the cap too: under it, the rebase is a pass of its
         # own (ops.predecayed_mode 3; 5 spill operations on the every-step path, triton 3.6). H200, sixteenth
@@ -210,9 +220,9 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
         evict = True
     elif programs_full >= 128:
         vt, chunk, warps = 64, 16, 2
-    elif programs_full >= 64 and not (one_warp and predecayed):  # the SPEC layout and wide keys: two chunks
+    elif programs_full >= 64:  # the SPEC layout and wide keys: two chunks (ONE_WARP_FROM)
         vt, chunk, warps = 64, 32, 4
-    elif programs_full >= 16:  # one chunk: the whole tile is loaded before the ring prologue (ONE_WARP_FROM)
+    elif programs_full >= 16:  # one chunk: the whole tile is loaded before the ring prologue
         vt, chunk, warps = 32, 32, 4
     else:
         vt, chunk, warps = 16, 16, 4
