@@ -74,6 +74,7 @@ import torch  # noqa: E402
 from bench_plan import Shape, build_plan  # noqa: E402
 from bench_report import COLUMN_HELP, dry_run, log, table_lines, write_outputs  # noqa: E402
 from bench_steps import Buffers, check_fla, check_replay, fla_steps, replay_steps, run_steps  # noqa: E402
+from launch_args import FORMAT, SWITCH_CHOICES, launch_spec_arg, switch  # noqa: E402
 from tp_replayssm.byte_model import floor_us, packed_bytes, replay_bytes  # noqa: E402
 
 try:  # the cursor-advance kernel; Triton is optional (torch ops fall back)
@@ -145,14 +146,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--fused-advance", action="store_true",
                    help="with --advance pool: also time ours with the advance fused into the decode (the pool's "
                         "decode(..., advance=True) on a step's last layer): ours_fused_us")
-    m.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
+    m.add_argument("--tiny-batch", choices=SWITCH_CHOICES, default="auto",
                    help="the kernel's tiny-batch path (whole-ring loads that do not wait for the cursor): the library's "
                         "choice (configs.tiny_batch), or forced on / off for every shape")
-    m.add_argument("--config", default=None, metavar="VT:VC:WARPS[:MAXNREG[:mma]]", type=launch_choice_arg,
-                   help="force one launch choice on every shape (configs.FORCED): value tile, value chunk, warps per "
-                        "program, then optionally a register cap (0: none) and 'mma' for the tensor-core chunk path "
-                        "(bf16 checkpoint and rings; else the register chunk path); default the library's "
-                        "configs.select_config")
+    m.add_argument("--config", default=None, metavar=FORMAT, type=launch_spec_arg,
+                   help="force one launch choice on every shape (configs.FORCED; benchmarks/launch_args.py): value "
+                        "tile, value chunk, warps per program, then optionally a register cap (0: none), a persistent "
+                        "grid's programs per SM (0: none) and 'mma' for the tensor-core chunk path (bf16 checkpoint "
+                        "and rings); default the library's configs.select_config")
     m.add_argument("--phase", choices=["sync", "stagger"], default="sync",
                    help="sync: all rows at the same cursor (the issue's cycle); stagger: row b starts at b %% L")
     m.add_argument("--no-l2norm", action="store_true", help="use_qk_l2norm_in_kernel=False (default True)")
@@ -186,27 +187,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.budget_s:
         args.budget_s = 80.0 if args.quick else 400.0
     return args
-
-
-def launch_choice_arg(text: str) -> tuple[int, int, int, int | None, bool]:
-    """``--config VT:VC:WARPS[:MAXNREG[:mma]]``: value tile, value chunk (at most the tile) and warps, each a power of
-    two; an optional register cap per thread (0: none, else 24-255) and ``mma`` for the tensor-core chunk path (3
-    pipeline stages, as ``configs.select_config`` pins it; the kernel takes it with a bf16 checkpoint and bf16 rings).
-    Returns ``(vt, vc, warps, maxnreg or None, mma)``."""
-    fields = text.split(":")
-    mma = len(fields) == 5 and fields[4] == "mma"
-    try:
-        if len(fields) not in (3, 4, 5) or (len(fields) == 5 and not mma):
-            raise ValueError
-        vt, vc, warps, maxnreg = (int(x) for x in (fields + ["0"])[:4])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected VT:VC:WARPS[:MAXNREG[:mma]] (integers, then the word mma), "
-                                         f"got {text!r}") from None
-    if any(x < 1 or x & (x - 1) for x in (vt, vc, warps)) or vc > vt:
-        raise argparse.ArgumentTypeError(f"expected powers of two with VC <= VT, got {text!r}")
-    if maxnreg and not 24 <= maxnreg <= 255:
-        raise argparse.ArgumentTypeError(f"expected MAXNREG 0 (no cap) or 24-255, got {maxnreg} in {text!r}")
-    return vt, vc, warps, maxnreg or None, mma
 
 
 def load_callable(spec: str) -> Callable[..., Any]:
@@ -535,11 +515,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from tp_replayssm import configs
 
-    configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
+    configs.FORCED_TINY_BATCH = switch(args.tiny_batch)
     if args.config:
-        vt, vc, warps, maxnreg, mma = args.config
-        configs.FORCED = configs.LaunchChoice(configs.launch_config(vt, warps, chunk_stages=3 if mma else 0), vc,
-                                              maxnreg, mma)
+        configs.FORCED = args.config.launch_choice()
     if not args.allow_autotune:
         os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")
     torch.backends.cuda.matmul.allow_tf32 = False

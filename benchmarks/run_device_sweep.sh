@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device-tool call: a GPU smoke test of the op, then the config sweep behind tp_replayssm/configs.py
-# (candidates VT:VC:WARPS[:MAXNREG[:PER_SM]], see tune_decode.py --help).
+# (candidates VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma], see benchmarks/launch_args.py).
 # usage (device tool, carry .devwheels):  bash benchmarks/run_device_sweep.sh
 set -u
 source benchmarks/device_setup.sh || exit 1

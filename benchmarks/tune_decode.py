@@ -24,6 +24,7 @@ import time
 import torch
 
 import helion
+from launch_args import FORMAT, SWITCH_CHOICES, launch_spec_arg, switch
 
 
 def copy_bandwidth() -> float:
@@ -193,20 +194,25 @@ def pinned_with(B: int, HV: int, L: int, state_dtype: torch.dtype, changes: dict
     return configs.LaunchChoice(helion.Config(**{**choice.config.config, **changes}), value_chunk, maxnreg, mma_chunks)
 
 
-def main() -> None:
+DEFAULT_CANDIDATES = ("128:16:1", "64:16:1", "32:16:1", "128:16:4")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hv", type=int, nargs="+", default=[32, 8])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     ap.add_argument("--state", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--ring", type=int, default=16)
-    ap.add_argument("--cands", nargs="+", default=["128:16:1", "64:16:1", "32:16:1", "128:16:4"],
-                    help="candidates VT:VC:WARPS[:MAXNREG[:PER_SM]] (value tile, value chunk, warps, register cap per "
-                         "thread (0 = none), persistent grid with PER_SM programs per SM (0 = not persistent))")
+    ap.add_argument("--cands", nargs="+", type=launch_spec_arg, metavar=FORMAT,
+                    default=[launch_spec_arg(c) for c in DEFAULT_CANDIDATES],
+                    help="candidate launch choices (benchmarks/launch_args.py): value tile, value chunk, warps, "
+                         "register cap per thread (0 = none), persistent grid with PER_SM programs per SM (0 = not "
+                         "persistent), 'mma' for the tensor-core chunk path; default " + " ".join(DEFAULT_CANDIDATES))
     ap.add_argument("--default-only", action="store_true")
-    ap.add_argument("--tiny-batch", choices=["auto", "on", "off"], default="auto",
+    ap.add_argument("--tiny-batch", choices=SWITCH_CHOICES, default="auto",
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
                          "or forced on / off")
-    ap.add_argument("--rebase-pass", choices=["auto", "on", "off"], default="auto",
+    ap.add_argument("--rebase-pass", choices=SWITCH_CHOICES, default="auto",
                     help="the pre-decayed rebase check's form where it is compiled in (unbounded gates): the "
                     "library's choice (a pass of its own under a register cap, ops.predecayed_mode 3), or forced "
                     "on (3) / off (2: through the flush branch)")
@@ -229,15 +235,19 @@ def main() -> None:
                          "the keys maxnreg, value_chunk and mma_chunks set those fields of the launch choice)")
     ap.add_argument("--override-kernels", nargs="+", default=None, metavar="NAME",
                     help="the kernels (names from --kernel, 'lib') that run the --override choices; default all")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     predecayed = args.ring_layout == "predecayed"
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode.py needs a CUDA GPU")
     from experiments.variants import load_kernel
 
     from tp_replayssm import configs
-    configs.FORCED_TINY_BATCH = {"auto": None, "on": True, "off": False}[args.tiny_batch]
-    configs.FORCED_REBASE_PASS = {"auto": None, "on": True, "off": False}[args.rebase_pass]
+    configs.FORCED_TINY_BATCH = switch(args.tiny_batch)
+    configs.FORCED_REBASE_PASS = switch(args.rebase_pass)
     kernels = [("lib", None)] + [(name, load_kernel(spec)) for name, spec in (k.split("=", 1) for k in args.kernel)]
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -250,11 +260,7 @@ def main() -> None:
         sdt = torch.float32 if sname == "fp32" else torch.bfloat16
         n_sets = slot_sets(B, HV, args.ring, sdt, args.footprint_mib)
         prob = make_problem(B, HV, HV, args.ring, sdt, n_sets, predecayed=predecayed)
-        cands = [None] if args.default_only else [None] + [
-            configs.LaunchChoice(configs.launch_config(c[0], c[2], (c + (0, 0))[4] or None), c[1],
-                                 (c + (0,))[3] or None)
-            for c in [tuple(map(int, c.split(":"))) for c in args.cands]
-        ]
+        cands = [None] if args.default_only else [None] + [c.launch_choice() for c in args.cands]
         overrides = [(name, pinned_with(B, HV, args.ring, sdt, json.loads(text), predecayed))
                      for name, text in (o.split("=", 1) for o in args.override)]
         for (kname, kfn), cfg in itertools.product(kernels, cands + [o[1] for o in overrides]):
@@ -262,9 +268,9 @@ def main() -> None:
                 continue
             use_kernel(kfn)
             name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
-                "vt{}-vc{}-w{}-m{}-p{}".format(
+                "vt{}-vc{}-w{}-m{}-p{}{}".format(
                 cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"],
-                cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0)
+                cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0, "-mma" if cfg.mma_chunks else "")
             if kname != "lib":
                 name = f"{kname}:{name}"
             try:

@@ -193,18 +193,25 @@ def test_grid_flags_and_dry_run(capsys):
 
 
 def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS[:MAXNREG[:mma]]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
-    ``FORCED_TINY_BATCH`` on the GPU)."""
+    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
+    ``FORCED_TINY_BATCH`` on the GPU), checked when the arguments are parsed."""
     bd = _bench_decode()
+    from launch_args import LaunchSpec
+
     args = bd.parse_args(["--config", "32:32:4", "--tiny-batch", "on"])
-    assert args.config == (32, 32, 4, None, False) and args.tiny_batch == "on"
-    assert bd.parse_args(["--config", "64:16:1:0:mma"]).config == (64, 16, 1, None, True)
-    assert bd.parse_args(["--config", "32:8:1:168"]).config == (32, 8, 1, 168, False)
+    assert args.config == LaunchSpec(32, 32, 4) and args.tiny_batch == "on"
+    assert bd.parse_args(["--config", "64:16:1:0:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
+    assert bd.parse_args(["--config", "64:16:1:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
+    assert bd.parse_args(["--config", "32:8:1:168"]).config == LaunchSpec(32, 8, 1, maxnreg=168)
+    assert bd.parse_args(["--config", "128:16:1:0:2"]).config == LaunchSpec(128, 16, 1, per_sm=2)
     assert bd.parse_args([]).config is None and bd.parse_args([]).tiny_batch == "auto"
-    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4", "64:16:1:300", "64:16:1:0:tc", "64:16:1:0:mma:x"):
+    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4", "64:16:1:300", "64:16:1:0:tc", "64:16:1:0:1:1",
+                "64:16:1:0:-1", "mma", "64:16:1:mma:0"):
         with pytest.raises(SystemExit):
             bd.parse_args(["--config", bad])
     assert "VT:VC:WARPS" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--tiny-batch", "maybe"])
 
 
 def test_no_cuda_exits_with_a_message(capsys, monkeypatch):

@@ -119,6 +119,15 @@ def test_tensor_core_chunks_regime() -> None:
     assert not wide.mma_chunks and wide.maxnreg is None
 
 
+def test_launch_config_is_one_object_per_choice_however_spelled() -> None:
+    """The op caches compiled kernels by config identity, so a choice named positionally, by keyword or with its
+    defaults spelled out (``select_config``, the benchmarks' forced choices) must be the same object."""
+    base = configs.launch_config(32, 1)
+    assert base is configs.launch_config(32, 1, None, False, 0) is configs.launch_config(vt=32, warps=1, chunk_stages=0)
+    assert base is configs.launch_config(32, 1, evict_state_first=False) is not configs.launch_config(32, 1, 2)
+    assert configs.launch_config(64, 1, chunk_stages=3) is configs.launch_config(64, 1, None, False, 3)
+
+
 def test_small_grids_one_chunk_per_program_one_warp_from_96_pairs_or_16_pre_decayed() -> None:
     """Below 16 (row, head) pairs the tiny-batch programs (16 value rows, 4 warps) in both layouts. The SPEC layout:
     from 16 pairs 4-warp programs of 32 value rows in one chunk, so all of a program's checkpoint loads leave before

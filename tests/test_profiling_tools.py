@@ -88,6 +88,30 @@ def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -
     assert kernel.replayssm_decode_kernel is original
 
 
+def test_tune_decode_candidates_use_the_shared_launch_choice_form(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_decode.py --cands`` parses the same ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]`` as ``bench_decode.py
+    --config`` (``benchmarks/launch_args.py``), at argument time, and builds the launch choice it names."""
+    import tune_decode
+    from launch_args import LaunchSpec, switch
+
+    from tp_replayssm import configs
+
+    args = tune_decode.parse_args(["--cands", "64:16:1:168:2", "32:16:1:mma", "--tiny-batch", "off"])
+    assert args.cands == [LaunchSpec(64, 16, 1, 168, 2), LaunchSpec(32, 16, 1, mma=True)]
+    assert switch(args.tiny_batch) is False and switch(args.rebase_pass) is None and switch("on") is True
+    assert [c.launch_choice() for c in tune_decode.parse_args([]).cands] == [
+        configs.LaunchChoice(configs.launch_config(vt, w), vc) for vt, vc, w in
+        ((128, 16, 1), (64, 16, 1), (32, 16, 1), (128, 16, 4))]
+    capped = args.cands[0].launch_choice()
+    assert (capped.maxnreg, capped.value_chunk, capped.mma_chunks) == (168, 16, False)
+    assert capped.config.config["num_sm_multiplier"] == 2 and capped.config.config["block_sizes"] == [64]
+    mma = args.cands[1].launch_choice()
+    assert mma.mma_chunks and mma.config is configs.launch_config(32, 1, chunk_stages=3) and mma.maxnreg is None
+    with pytest.raises(SystemExit):
+        tune_decode.parse_args(["--cands", "64:16"])
+    assert "VT:VC:WARPS" in capsys.readouterr().err
+
+
 def test_tune_decode_cycles_past_the_l2_by_default() -> None:
     """Small batches must stream from DRAM as in an engine with many layers: the default footprint is
     4x the H200's 60 MiB L2 (at most 256 sets); footprint 0 is the old rule (at most 16 sets)."""

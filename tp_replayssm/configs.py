@@ -85,17 +85,24 @@ ONE_WARP_FROM_PREDECAYED = TINY_BATCH_BELOW
 STATE_LOADS = (1, 13, 16)
 
 
-@functools.lru_cache(maxsize=None)
 def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
                   evict_state_first: bool = False, chunk_stages: int = 0) -> helion.Config:
-    """The Helion config of a launch choice (one cached object per distinct choice). ``programs_per_sm``
-    makes the grid persistent (``programs_per_sm`` programs per SM, each looping over tiles).
+    """The Helion config of a launch choice: one cached object per distinct choice, however the arguments are
+    spelled (positional or keyword, defaults given or left out; the op caches compiled kernels by config
+    identity). ``programs_per_sm`` makes the grid persistent (``programs_per_sm`` programs per SM, each looping
+    over tiles).
     ``evict_state_first`` loads the checkpoint chunks with ``evict_first`` (each is read once per step;
     the L2 keeps the ring entries and inputs instead). The programs stay batch-major (consecutive
     programs take consecutive rows of one head): head-major order was 14% slower with fp32 state
     (benchmarks/RESULTS.md, sixth session). ``chunk_stages`` software-pipelines the append rows' chunk loop
     (Triton's ``num_stages``: cp.async copies of the next ``chunk_stages - 1`` chunks into shared memory),
     which only the tensor-core chunk path wants (its loop has no hand prefetch)."""
+    return _launch_config(vt, warps, programs_per_sm, evict_state_first, chunk_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(vt: int, warps: int, programs_per_sm: int | None, evict_state_first: bool,
+                   chunk_stages: int) -> helion.Config:
     extra: dict[str, object] = {}
     if evict_state_first:
         extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]

@@ -1,0 +1,64 @@
+"""Command-line forms shared by the benchmark scripts (``bench_decode.py --config``, ``tune_decode.py --cands``,
+their ``--tiny-batch`` / ``--rebase-pass`` switches), parsed at argument time so a typo fails before any GPU work.
+
+A launch choice is ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]``: the value tile and value chunk (rows of V, powers of
+two, VC <= VT), warps per program, then optionally a register cap per thread (0: none, else 24-255), a persistent
+grid of PER_SM programs per SM (0: not persistent), and the word ``mma`` for the tensor-core chunk path (three
+pipeline stages, as ``configs.select_config`` pins it; the kernel takes it for a bf16 checkpoint and bf16 rings).
+E.g. ``32:32:4``, ``32:8:1:168``, ``64:16:1:mma``, ``128:16:1:0:2``. Pure Python until
+:meth:`LaunchSpec.launch_choice` imports the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+FORMAT = "VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]"
+# --tiny-batch / --rebase-pass: the library's own choice, or forced on / off (configs.FORCED_TINY_BATCH, ...)
+SWITCH_CHOICES = ("auto", "on", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """One launch choice from a command line (see the module docstring); ``maxnreg`` / ``per_sm`` None: none."""
+
+    vt: int
+    vc: int
+    warps: int
+    maxnreg: int | None = None
+    per_sm: int | None = None
+    mma: bool = False
+
+    def launch_choice(self) -> Any:  # tp_replayssm.configs.LaunchChoice
+        from tp_replayssm import configs
+
+        config = configs.launch_config(self.vt, self.warps, self.per_sm, chunk_stages=3 if self.mma else 0)
+        return configs.LaunchChoice(config, self.vc, self.maxnreg, self.mma)
+
+
+def launch_spec_arg(text: str) -> LaunchSpec:
+    """``argparse`` type of a launch choice: ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]``."""
+    fields = text.split(":")
+    mma = fields[-1] == "mma"
+    numbers = fields[:-1] if mma else fields
+    try:
+        if not 3 <= len(numbers) <= 5:
+            raise ValueError
+        vt, vc, warps, maxnreg, per_sm = (int(x) for x in numbers + ["0"] * (5 - len(numbers)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {FORMAT} (three to five integers, then optionally the word "
+                                         f"mma), got {text!r}") from None
+    if any(x < 1 or x & (x - 1) for x in (vt, vc, warps)) or vc > vt:
+        raise argparse.ArgumentTypeError(f"expected VT, VC and WARPS powers of two with VC <= VT, got {text!r}")
+    if maxnreg and not 24 <= maxnreg <= 255:
+        raise argparse.ArgumentTypeError(f"expected MAXNREG 0 (no cap) or 24-255, got {maxnreg} in {text!r}")
+    if per_sm < 0:
+        raise argparse.ArgumentTypeError(f"expected PER_SM 0 (not persistent) or more, got {per_sm} in {text!r}")
+    return LaunchSpec(vt, vc, warps, maxnreg or None, per_sm or None, mma)
+
+
+def switch(text: str) -> bool | None:
+    """``auto`` / ``on`` / ``off`` as None / True / False (the library's choice, or forced)."""
+    return {"auto": None, "on": True, "off": False}[text]
