@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tp_replayssm import configs, ops, reference
+from tp_replayssm import _validation, configs, ops, reference
 from _decode_scenario import OUT_TOL, Scenario, run_scenario
 
 CASES = {
@@ -235,6 +235,48 @@ def test_fake_cuda_tensors_on_another_gpu_are_named() -> None:
     msg = str(info.value)
     assert "cuda:1" in msg and all(f"{n} (cuda:0)" in msg for n in ("initial_state", "k_cache", "g_cache")), msg
     assert "d_cache" not in msg
+
+
+_ARG_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache", "k_cache", "g_cache",
+              "out", "ssm_state_indices", "write_pos", "force_flush", "lower_bound")
+
+
+def test_validation_runs_in_full_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's checks (``_validation.validate_decode_inputs_once``) run in full once per metadata signature; a repeat
+    checks only ``scale`` and ``lower_bound``, and every bad input of ``BAD_INPUTS`` is still refused, naming its
+    argument, after the good signature was accepted."""
+    calls: list[int] = []
+    full = _validation.validate_decode_inputs
+    monkeypatch.setattr(_validation, "validate_decode_inputs", lambda *a, **k: calls.append(1) or full(*a, **k))
+    monkeypatch.setattr(_validation, "_ACCEPTED", {})
+
+    def once(t: dict[str, object], **flags: bool) -> object:
+        return _validation.validate_decode_inputs_once(*(t[k] for k in _ARG_ORDER), **flags)
+
+    dims = once(_tensors())
+    assert calls == [1] and dims == _validation.DecodeDims(B, H, HV, K, V, L, S)
+    assert once(_tensors(scale=0.5, lower_bound=-5.0)) == dims and calls == [1]  # fresh tensors, same metadata
+    for case, (overrides, actual) in BAD_INPUTS.items():
+        with pytest.raises(ValueError, match=f"`{case.split('-')[0]}`") as info:
+            once(_tensors(**overrides))
+        assert re.search(actual, str(info.value)), (case, str(info.value))
+    with pytest.raises(ValueError, match="`out` must be a torch.Tensor"):
+        once(_tensors(out="not a tensor"))
+    with pytest.raises(ValueError, match="`out`"):  # a transposed view: same shape, other strides
+        once(_tensors(out=torch.zeros(B, 1, V, HV, dtype=torch.bfloat16).transpose(2, 3)))
+    t = _tensors()
+    t["d_cache"] = t["d_cache"].to("meta")
+    with pytest.raises(ValueError, match=r"d_cache \(meta\)"):
+        once(t)
+    n_full = len(calls)
+    # the flags and the presence of force_flush are part of the signature
+    once(_tensors(write_pos=torch.zeros(S + 1, dtype=torch.int32)), cursors_by_slot=True)
+    once(_tensors(force_flush=torch.zeros(B, dtype=torch.int32)))
+    assert len(calls) == n_full + 2 and len(_validation._ACCEPTED) == 3
+    monkeypatch.setattr(_validation, "ACCEPTED_MAX", 3)  # a full table is emptied before the next entry
+    once(_tensors(mixed_qkv=torch.randn(B, 2 * H * K + HV * V, dtype=torch.float32),
+                  out=torch.zeros(B, 1, HV, V, dtype=torch.float32)))
+    assert len(_validation._ACCEPTED) == 1
 
 
 def test_empty_batch_is_a_no_op() -> None:

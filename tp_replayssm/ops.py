@@ -17,7 +17,7 @@ import torch
 from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
-from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs
+from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs_once
 from .configs import rebase_pass, select_config, tiny_batch
 
 
@@ -148,7 +148,7 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
             ssm_state_indices, write_pos, force_flush, use_l2norm, lower_bound,
             cursors_by_slot: bool, predecayed: bool = False, advance: bool = False,
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    dims = validate_decode_inputs(
+    dims = validate_decode_inputs_once(
         mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
         ssm_state_indices, write_pos, force_flush, lower_bound, cursors_by_slot=cursors_by_slot,
         predecayed=predecayed,
