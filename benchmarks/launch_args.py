@@ -16,8 +16,9 @@ import dataclasses
 from typing import Any
 
 FORMAT = "VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]"
-# --tiny-batch / --rebase-pass: the library's own choice, or forced on / off (configs.FORCED_TINY_BATCH, ...)
-SWITCH_CHOICES = ("auto", "on", "off")
+# --tiny-batch / --rebase-pass: the library's own choice (None), or forced on / off (configs.FORCED_TINY_BATCH, ...)
+_SWITCH_VALUES: dict[str, bool | None] = {"auto": None, "on": True, "off": False}
+SWITCH_CHOICES = tuple(_SWITCH_VALUES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,4 +62,4 @@ def launch_spec_arg(text: str) -> LaunchSpec:
 
 def switch(text: str) -> bool | None:
     """``auto`` / ``on`` / ``off`` as None / True / False (the library's choice, or forced)."""
-    return {"auto": None, "on": True, "off": False}[text]
+    return _SWITCH_VALUES[text]

@@ -237,10 +237,6 @@ def test_fake_cuda_tensors_on_another_gpu_are_named() -> None:
     assert "d_cache" not in msg
 
 
-_ARG_ORDER = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "scale", "initial_state", "d_cache", "k_cache", "g_cache",
-              "out", "ssm_state_indices", "write_pos", "force_flush", "lower_bound")
-
-
 def test_validation_runs_in_full_once_per_signature(monkeypatch: pytest.MonkeyPatch) -> None:
     """The op's checks (``_validation.validate_decode_inputs_once``) run in full once per metadata signature; a repeat
     checks only ``scale`` and ``lower_bound``, and every bad input of ``BAD_INPUTS`` is still refused, naming its
@@ -250,8 +246,9 @@ def test_validation_runs_in_full_once_per_signature(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(_validation, "validate_decode_inputs", lambda *a, **k: calls.append(1) or full(*a, **k))
     monkeypatch.setattr(_validation, "_ACCEPTED", {})
 
-    def once(t: dict[str, object], **flags: bool) -> object:
-        return _validation.validate_decode_inputs_once(*(t[k] for k in _ARG_ORDER), **flags)
+    def once(t: dict[str, object], **flags: bool) -> object:  # the op's arguments but the l2norm flag
+        t = {k: v for k, v in t.items() if k != "use_qk_l2norm_in_kernel"}
+        return _validation.validate_decode_inputs_once(**t, **flags)
 
     dims = once(_tensors())
     assert calls == [1] and dims == _validation.DecodeDims(B, H, HV, K, V, L, S)
