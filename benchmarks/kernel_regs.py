@@ -126,6 +126,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's, "
                     "or variant:NAME (benchmarks/experiments/variants.py)")
+    ap.add_argument("--predecayed", action="store_true", help="the pre-decayed ring layout's path (no rebase check)")
+    ap.add_argument("--advance", type=int, default=0, metavar="N",
+                    help="the fused cursor advance with N programs per row (0: none)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
                     "entries, all 0)")
     args = ap.parse_args()
@@ -145,10 +148,10 @@ def main() -> None:
 
         kernel_fn = load_kernel(args.kernel)
     r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg,
-                         mma_chunks=args.mma_chunks)
+                         mma_chunks=args.mma_chunks, predecayed=args.predecayed, advance_cursors=args.advance)
     import triton
     print(f"triton {triton.__version__}, vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} "
-          f"state={args.state} mma_chunks={args.mma_chunks}: "
+          f"state={args.state} mma_chunks={args.mma_chunks} predecayed={args.predecayed} advance={args.advance}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 

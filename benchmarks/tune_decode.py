@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=[launch_spec_arg(c) for c in DEFAULT_CANDIDATES],
                     help="candidate launch choices (benchmarks/launch_args.py): value tile, value chunk, warps, "
                          "register cap per thread (0 = none), persistent grid with PER_SM programs per SM (0 = not "
-                         "persistent), 'mma' for the tensor-core chunk path; default " + " ".join(DEFAULT_CANDIDATES))
+                         "persistent), 'mma[N]' for the tensor-core chunk path (N pipeline stages); default " + " ".join(DEFAULT_CANDIDATES))
     ap.add_argument("--default-only", action="store_true")
     ap.add_argument("--tiny-batch", choices=SWITCH_CHOICES, default="auto",
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "
@@ -270,7 +270,8 @@ def main() -> None:
             name = "default" if cfg is None else next((o[0] for o in overrides if o[1] is cfg), None) or \
                 "vt{}-vc{}-w{}-m{}-p{}{}".format(
                 cfg[0]["block_sizes"][0], cfg[1], cfg[0]["num_warps"],
-                cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0, "-mma" if cfg.mma_chunks else "")
+                cfg.maxnreg or 0, cfg[0].config.get("num_sm_multiplier") or 0,
+                f"-mma{cfg[0].config['range_num_stages'][1]}" if cfg.mma_chunks else "")
             if kname != "lib":
                 name = f"{kname}:{name}"
             try:

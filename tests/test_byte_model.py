@@ -193,7 +193,7 @@ def test_grid_flags_and_dry_run(capsys):
 
 
 def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
+    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
     ``FORCED_TINY_BATCH`` on the GPU), checked when the arguments are parsed."""
     bd = _bench_decode()
     from launch_args import LaunchSpec
@@ -202,11 +202,13 @@ def test_forced_launch_choice_and_tiny_path_flags(capsys):
     assert args.config == LaunchSpec(32, 32, 4) and args.tiny_batch == "on"
     assert bd.parse_args(["--config", "64:16:1:0:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
     assert bd.parse_args(["--config", "64:16:1:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
+    assert bd.parse_args(["--config", "64:16:1:mma5"]).config == LaunchSpec(64, 16, 1, mma=True, stages=5)
     assert bd.parse_args(["--config", "32:8:1:168"]).config == LaunchSpec(32, 8, 1, maxnreg=168)
     assert bd.parse_args(["--config", "128:16:1:0:2"]).config == LaunchSpec(128, 16, 1, per_sm=2)
     assert bd.parse_args([]).config is None and bd.parse_args([]).tiny_batch == "auto"
     for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4", "64:16:1:300", "64:16:1:0:tc", "64:16:1:0:1:1",
-                "64:16:1:0:-1", "mma", "64:16:1:mma:0"):
+                "64:16:1:0:-1", "mma", "64:16:1:mma:0", "64:16:1:mma1", "64:16:1:mma10", "64:16:1:mmax",
+                "64:16:1:mma-3"):
         with pytest.raises(SystemExit):
             bd.parse_args(["--config", bad])
     assert "VT:VC:WARPS" in capsys.readouterr().err

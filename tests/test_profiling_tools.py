@@ -89,15 +89,16 @@ def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -
 
 
 def test_tune_decode_candidates_use_the_shared_launch_choice_form(capsys: pytest.CaptureFixture[str]) -> None:
-    """``tune_decode.py --cands`` parses the same ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma]`` as ``bench_decode.py
+    """``tune_decode.py --cands`` parses the same ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]`` as ``bench_decode.py
     --config`` (``benchmarks/launch_args.py``), at argument time, and builds the launch choice it names."""
     import tune_decode
     from launch_args import LaunchSpec, switch
 
     from tp_replayssm import configs
 
-    args = tune_decode.parse_args(["--cands", "64:16:1:168:2", "32:16:1:mma", "--tiny-batch", "off"])
-    assert args.cands == [LaunchSpec(64, 16, 1, 168, 2), LaunchSpec(32, 16, 1, mma=True)]
+    args = tune_decode.parse_args(["--cands", "64:16:1:168:2", "32:16:1:mma", "64:16:1:mma5", "--tiny-batch", "off"])
+    assert args.cands == [LaunchSpec(64, 16, 1, 168, 2), LaunchSpec(32, 16, 1, mma=True),
+                          LaunchSpec(64, 16, 1, mma=True, stages=5)]
     assert switch(args.tiny_batch) is False and switch(args.rebase_pass) is None and switch("on") is True
     assert [c.launch_choice() for c in tune_decode.parse_args([]).cands] == [
         configs.LaunchChoice(configs.launch_config(vt, w), vc) for vt, vc, w in
@@ -107,6 +108,8 @@ def test_tune_decode_candidates_use_the_shared_launch_choice_form(capsys: pytest
     assert capped.config.config["num_sm_multiplier"] == 2 and capped.config.config["block_sizes"] == [64]
     mma = args.cands[1].launch_choice()
     assert mma.mma_chunks and mma.config is configs.launch_config(32, 1, chunk_stages=3) and mma.maxnreg is None
+    deep = args.cands[2].launch_choice()
+    assert deep.mma_chunks and deep.config.config["range_num_stages"] == [0, 5, 0]
     with pytest.raises(SystemExit):
         tune_decode.parse_args(["--cands", "64:16"])
     assert "VT:VC:WARPS" in capsys.readouterr().err

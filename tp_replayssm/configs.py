@@ -61,6 +61,7 @@ TINY_BATCH_BELOW = 16
 # (from 64 pairs over 64 value rows in two chunks, the second loaded after the ring prologue; from 16 pairs over 32
 # rows in one chunk). The pre-decayed layout takes one-warp programs from ONE_WARP_FROM_PREDECAYED pairs, with
 # 16-row value tiles up to one wave (_one_wave_value_tile): one chunk per program, loaded before the ring prologue.
+# The SPEC layout's one-warp programs take 16-row tiles too (up to one wave) for a bf16 checkpoint, 32 rows for fp32.
 # H200, us/step, bf16 / fp32 state, vt:vc:warps; the pre-decayed pool step with the fused advance (bench_decode.py
 # --ring-layout predecayed --fused-advance):
 # - eighteenth session (on a variant whose last reader stored the cursor at its program's end): 64 pairs (HV8 B8,
@@ -74,7 +75,11 @@ TINY_BATCH_BELOW = 16
 #   3.80 / 3.96 -> 3.65 / 3.77; 16 pairs HV16 B1 3.70 / 3.84 -> 3.65 / 3.58; 64 pairs HV8 B8 4.20 / 4.64 -> 3.86 /
 #   4.11 (16:16:2 4.66 / 4.96); 96 pairs HV12 B8 (32:16:1) 5.12 / 5.00 -> 4.72 / 5.22 (16:16:2 4.78 / 5.07); 128
 #   pairs (32:16:1) HV16 B8 4.92 / 5.59 -> 4.82 / 5.34, HV4 B32 4.93 / 5.54 -> 4.75 / 5.32. Below 16 pairs (the
-#   tiny-batch path, 16:16:4) one warp was 0.1-0.3 us slower (HV12 / HV8 / HV4 B1 3.2-3.3 -> 3.4-3.5).
+#   tiny-batch path, 16:16:4) one warp was 0.1-0.3 us slower (HV12 / HV8 / HV4 B1 3.2-3.3 -> 3.4-3.5);
+# - twentieth session, the SPEC layout, op alone (tune_decode.py), library choice -> 16:16:1, bf16 / fp32: 96 pairs
+#   HV12 B8 (32:16:1) 6.62 / 6.68 -> 6.20 / 6.87, 128 pairs HV16 B8 (32:16:1) 6.89 / 7.02 -> 6.31 / 7.21, so a bf16
+#   checkpoint takes 16-row tiles there too; below 96 pairs one warp lost: HV8 B8 (64:32:4) 4.72 / 5.12 -> 5.60 / 5.81,
+#   HV32 B1 (32:32:4) 3.77 / 4.04 -> 5.39 / 5.58, HV16 B1 3.69 / 3.87 -> 5.38 / 5.43.
 ONE_WARP_FROM = 96
 ONE_WARP_FROM_PREDECAYED = TINY_BATCH_BELOW
 
@@ -83,6 +88,10 @@ ONE_WARP_FROM_PREDECAYED = TINY_BATCH_BELOW
 # path, the only one that pins the hint (the 4-warp choices of keys wider than 128); tests/test_configs.py
 # checks them against the generated code of every kernel specialization.
 STATE_LOADS = (1, 13, 16)
+
+# Software-pipeline stages of the tensor-core chunk loop (LaunchChoice.mma_chunks): cp.async copies of the next
+# MMA_CHUNK_STAGES - 1 chunks in flight through shared memory
+MMA_CHUNK_STAGES = 3
 
 
 def launch_config(vt: int, warps: int, programs_per_sm: int | None = None,
@@ -139,8 +148,8 @@ def _waves(programs: int, per_sm: int, sms: int) -> int:
 
 
 def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int = 32) -> int:
-    """The one-warp programs' value tile: the narrowest of ``narrowest`` (16 in the pre-decayed layout, else 32) /
-    32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of ``PROGRAMS_PER_SM`` per
+    """The one-warp programs' value tile: the narrowest of ``narrowest`` (16 in the pre-decayed layout and for a
+    bf16 checkpoint, else 32) / 32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of ``PROGRAMS_PER_SM`` per
     SM, else 128: as many programs in flight as fit, and no second, partial wave (the 16-row tiles' data:
     ``ONE_WARP_FROM``). H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32 (1536 programs)
     fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16 B32 (512 pairs) vt 64
@@ -210,7 +219,9 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     if one_warp and programs_full >= (ONE_WARP_FROM_PREDECAYED if predecayed else ONE_WARP_FROM):
         chunk, warps = 16, 1
         sms = _sm_count(device)
-        vt = _one_wave_value_tile(programs_full, dims.value_dim, sms, 16 if predecayed else 32)
+        # 16-row tiles in the pre-decayed layout, and in the SPEC layout for a bf16 checkpoint (ONE_WARP_FROM)
+        narrowest = 16 if predecayed or state_dtype == torch.bfloat16 else 32
+        vt = _one_wave_value_tile(programs_full, dims.value_dim, sms, narrowest)
         mma = programs_full >= 1024 and bf16_operands
         # The pre-decayed layout's rebase-check kernel keeps the cap too: under it, the rebase is a pass of its
         # own (ops.predecayed_mode 3; 5 spill operations on the every-step path, triton 3.6). H200, sixteenth
@@ -234,8 +245,9 @@ def select_config(dims: DecodeDims, state_dtype: torch.dtype, device: torch.devi
     else:
         vt, chunk, warps = 16, 16, 4
     vt = min(vt, 1 << (dims.value_dim - 1).bit_length())
-    return LaunchChoice(launch_config(vt, warps, evict_state_first=evict, chunk_stages=3 if mma else 0),
-                        min(chunk, vt), maxnreg, mma)
+    stages = MMA_CHUNK_STAGES if mma else 0
+    return LaunchChoice(launch_config(vt, warps, evict_state_first=evict, chunk_stages=stages), min(chunk, vt),
+                        maxnreg, mma)
 
 
 def rebase_pass(choice: LaunchChoice) -> bool:

@@ -134,6 +134,12 @@ VARIANTS: dict[str, Variant] = {
         ("            if tiny_batch:  # load the whole ring without waiting for the cursor; `valid` masks it below\n",
          "            if True:  # VARIANT: whole-ring loads on every path\n"),
     ), False),
+    "fixed_g_row": Variant("the pre-decayed layout's G_{c-1} read from a fixed ring row (row 0) instead of the "
+                           "cursor's: the timing of a layout that keeps the running cumulative gate at a fixed "
+                           "place (with --tiny-batch on, no prologue load then waits for the cursor)", (
+        ("                g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]\n",
+         "                g_last = g_rows[s64 * gr_s + hv * gr_h, :]  # VARIANT: fixed row\n"),
+    ), True),
     "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
         ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    hl.pdl_wait()  # VARIANT: trigger at exit\n"),
         ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
