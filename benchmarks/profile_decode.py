@@ -26,7 +26,7 @@ from launch_args import FORMAT, launch_spec_arg  # noqa: E402
 from tune_decode import make_problem, op_launch, use_kernel  # noqa: E402
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hv", type=int, default=32)
     ap.add_argument("--batch", type=int, default=512)
@@ -39,9 +39,14 @@ def main() -> None:
     ap.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec")
     ap.add_argument("--config", default=None, metavar=FORMAT, type=launch_spec_arg,
                     help="one forced launch choice instead of the pinned one")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not 0 <= args.cursor < args.ring:
-        raise SystemExit(f"--cursor must be in [0, {args.ring}), got {args.cursor}")
+        ap.error(f"--cursor must be in [0, {args.ring}), got {args.cursor}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
     predecayed = args.ring_layout == "predecayed"
     prob = make_problem(args.batch, args.hv, args.hv, args.ring, sdt, n_sets=args.warmup + args.launches,

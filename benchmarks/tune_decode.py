@@ -207,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=[launch_spec_arg(c) for c in DEFAULT_CANDIDATES],
                     help="candidate launch choices (benchmarks/launch_args.py): value tile, value chunk, warps, "
                          "register cap per thread (0 = none), persistent grid with PER_SM programs per SM (0 = not "
-                         "persistent), 'mma[N]' for the tensor-core chunk path (N pipeline stages); default " + " ".join(DEFAULT_CANDIDATES))
+                         "persistent), 'mma[N]' for the tensor-core chunk path (N pipeline stages); default "
+                         + " ".join(DEFAULT_CANDIDATES))
     ap.add_argument("--default-only", action="store_true")
     ap.add_argument("--tiny-batch", choices=SWITCH_CHOICES, default="auto",
                     help="the kernel's tiny-batch path (whole-ring loads, reverse scan): the library's choice, "

@@ -68,6 +68,25 @@ def test_ncu_hot_ranks_instructions_by_samples_and_tolerates_extra_fields() -> N
     assert ncu_hot.summarize(["not csv\n"]) == ["ncu_hot: no rows"]
 
 
+def test_profile_decode_takes_the_layout_and_a_forced_launch_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """``profile_decode.py --ring-layout`` / ``--config`` (the launch-choice form of ``launch_args``) and its cursor
+    check, at argument time (the rest needs a GPU)."""
+    import profile_decode
+    from launch_args import LaunchSpec
+
+    args = profile_decode.parse_args(["--hv", "4", "--batch", "128", "--state", "bf16", "--ring-layout", "predecayed",
+                                      "--config", "64:16:1:mma5"])
+    assert (args.hv, args.batch, args.state, args.ring_layout) == (4, 128, "bf16", "predecayed")
+    assert args.config == LaunchSpec(64, 16, 1, mma=True, stages=5)
+    defaults = profile_decode.parse_args([])
+    assert defaults.ring_layout == "spec" and defaults.config is None and defaults.cursor == 8
+    for bad in (["--cursor", "16"], ["--config", "64:16"], ["--ring-layout", "ring"]):
+        with pytest.raises(SystemExit):
+            profile_decode.parse_args(bad)
+    err = capsys.readouterr().err
+    assert "--cursor must be in [0, 16), got 16" in err and "VT:VC:WARPS" in err
+
+
 def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -> None:
     import tune_decode
     from experiments.variants import load_kernel

@@ -149,12 +149,12 @@ def _waves(programs: int, per_sm: int, sms: int) -> int:
 
 def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int = 32) -> int:
     """The one-warp programs' value tile: the narrowest of ``narrowest`` (16 in the pre-decayed layout and for a
-    bf16 checkpoint, else 32) / 32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of ``PROGRAMS_PER_SM`` per
-    SM, else 128: as many programs in flight as fit, and no second, partial wave (the 16-row tiles' data:
-    ``ONE_WARP_FROM``). H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32 (1536 programs)
-    fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16 B32 (512 pairs) vt 64
-    13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The rule keeps the earlier choices
-    at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
+    bf16 checkpoint, else 32) / 32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of
+    ``PROGRAMS_PER_SM`` per SM, else 128: as many programs in flight as fit, and no second, partial wave (the 16-row
+    tiles' data: ``ONE_WARP_FROM``). H200 (132 SMs, one wave = 1056), us/step: HV12 B32 (384 pairs) vt 32 (1536
+    programs) fp32 15.20 / bf16 13.78, vt 64 (768) 12.20 / 10.37, vt 128 (384) 14.52 / 11.92; HV16 B32 (512 pairs)
+    vt 64 13.18 / 11.04, vt 128 16.53 / 13.60, vt 32 16.78 (fp32) (twelfth session). The rule keeps the earlier
+    choices at 256 pairs (vt 32) and 1024+ (vt 128; seventh session)."""
     for vt in (16, 32, 64):
         if vt >= narrowest and _programs(pairs, value_dim, vt) <= PROGRAMS_PER_SM * sms:
             return vt
