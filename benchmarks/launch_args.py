@@ -59,8 +59,8 @@ def launch_spec_arg(text: str) -> LaunchSpec:
             raise ValueError
         vt, vc, warps, maxnreg, per_sm = (int(x) for x in numbers + ["0"] * (5 - len(numbers)))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {FORMAT} (three to five integers, then optionally the word "
-                                         f"mma), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {FORMAT} (three to five integers, then optionally mma or "
+                                         f"mmaN), got {text!r}") from None
     if any(x < 1 or x & (x - 1) for x in (vt, vc, warps)) or vc > vt:
         raise argparse.ArgumentTypeError(f"expected VT, VC and WARPS powers of two with VC <= VT, got {text!r}")
     if maxnreg and not 24 <= maxnreg <= 255:

@@ -137,22 +137,22 @@ def test_small_grids_one_chunk_per_program_one_warp_from_96_pairs_or_16_pre_deca
     ``ONE_WARP_FROM_PREDECAYED`` (16) pairs, one 16-row tile each while that grid fits one wave, then 32 rows."""
     assert configs.ONE_WARP_FROM == 96 and configs.ONE_WARP_FROM_PREDECAYED == configs.TINY_BATCH_BELOW == 16
     dev = torch.device("cuda", 0)
-    one_chunk, two_chunks, one_warp, one_row_tile = (32, 32, 4), (64, 32, 4), (32, 16, 1), (16, 16, 1)
-    expect = {(1, 8): ((16, 16, 4),) * 2, (3, 5): ((16, 16, 4),) * 2, (1, 16): (one_chunk, one_row_tile),
-              (1, 32): (one_chunk, one_row_tile), (8, 4): (one_chunk, one_row_tile),
-              (8, 8): (two_chunks, one_row_tile), (2, 32): (two_chunks, one_row_tile),
-              (5, 19): (two_chunks, one_row_tile), (8, 12): (one_warp, one_row_tile),
-              (4, 24): (one_warp, one_row_tile), (8, 16): (one_warp, one_row_tile), (4, 33): (one_warp, one_row_tile),
-              (7, 19): (one_warp, one_warp), (8, 32): (one_warp, one_warp)}
-    for (batch, heads), wants in expect.items():
-        for predecayed, want in zip((False, True), wants):
-            for state in (torch.float32, torch.bfloat16):
-                c = configs.select_config(DecodeDims(batch, heads, heads, 128, 128, 16, batch), state, dev,
-                                          predecayed=predecayed)
-                got = (c.config.config["block_sizes"][0], c.value_chunk, c.config.config["num_warps"])
-                if not predecayed and state == torch.bfloat16 and want == one_warp and batch * heads <= 132:
-                    want = one_row_tile  # the SPEC layout's bf16 checkpoint: 16-row tiles up to one wave
-                assert got == want and c.maxnreg is None and not c.mma_chunks, (batch, heads, predecayed, state, got)
+    tiny, one_chunk, two_chunks = (16, 16, 4), (32, 32, 4), (64, 32, 4)
+    one_warp, one_row_tile = (32, 16, 1), (16, 16, 1)
+    # (batch, heads): the SPEC layout with an fp32 / a bf16 checkpoint, then the pre-decayed layout (either state)
+    expect = {(1, 8): (tiny,) * 3, (3, 5): (tiny,) * 3, (1, 16): (one_chunk, one_chunk, one_row_tile),
+              (1, 32): (one_chunk, one_chunk, one_row_tile), (8, 4): (one_chunk, one_chunk, one_row_tile),
+              (8, 8): (two_chunks, two_chunks, one_row_tile), (2, 32): (two_chunks, two_chunks, one_row_tile),
+              (5, 19): (two_chunks, two_chunks, one_row_tile), (8, 12): (one_warp, one_row_tile, one_row_tile),
+              (4, 24): (one_warp, one_row_tile, one_row_tile), (8, 16): (one_warp, one_row_tile, one_row_tile),
+              (4, 33): (one_warp, one_row_tile, one_row_tile), (7, 19): (one_warp,) * 3, (8, 32): (one_warp,) * 3}
+    cases = ((False, torch.float32), (False, torch.bfloat16), (True, torch.float32), (True, torch.bfloat16))
+    for (batch, heads), (spec_fp32, spec_bf16, predecayed_any) in expect.items():
+        for (predecayed, state), want in zip(cases, (spec_fp32, spec_bf16, predecayed_any, predecayed_any)):
+            c = configs.select_config(DecodeDims(batch, heads, heads, 128, 128, 16, batch), state, dev,
+                                      predecayed=predecayed)
+            got = (c.config.config["block_sizes"][0], c.value_chunk, c.config.config["num_warps"])
+            assert got == want and c.maxnreg is None and not c.mma_chunks, (batch, heads, predecayed, state, got)
     for predecayed in (False, True):
         wide = configs.select_config(DecodeDims(8, 8, 8, 256, 128, 16, 8), torch.float32, dev, predecayed=predecayed)
         assert (wide.config.config["block_sizes"][0], wide.value_chunk, wide.config.config["num_warps"]) == two_chunks

@@ -147,7 +147,7 @@ def _waves(programs: int, per_sm: int, sms: int) -> int:
     return -(-programs // (per_sm * sms))
 
 
-def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int = 32) -> int:
+def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int) -> int:
     """The one-warp programs' value tile: the narrowest of ``narrowest`` (16 in the pre-decayed layout and for a
     bf16 checkpoint, else 32) / 32 / 64 / 128 whose grid (``pairs`` programs per value tile) still fits one wave of
     ``PROGRAMS_PER_SM`` per SM, else 128: as many programs in flight as fit, and no second, partial wave (the 16-row
