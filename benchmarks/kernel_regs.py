@@ -57,6 +57,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     args = example_kernel_args(heads=heads, state_dtype=sdt, value_chunk=vc, lower_bound=-5.0 if lower_bound else None,
                                tiny=tiny, mma_chunks=mma_chunks, predecayed=predecayed,
                                rebase_pass=configs.rebase_pass(configs.LaunchChoice(config, vc, maxnreg, mma_chunks)),
+                               vector_tiles=configs.vector_tiles(configs.LaunchChoice(config, vc, maxnreg, mma_chunks), sdt, 128),
                                cursors_by_slot=advance_cursors > 0,
                                advance_cursors=advance_cursors)
     warps = config.config["num_warps"]

@@ -51,8 +51,9 @@ def test_kernel_arg_table_matches_kernel_args(lower_bound: float | None) -> None
             assert arg.untyped_storage().data_ptr() == storages[j], f"kernel argument {i} is not a view of input {j}"
         else:
             assert j is None, f"kernel argument {i} is {arg!r}, the table says input {j}"
-    assert args[15] is scale
-    assert args[16] == ops._lower_bound_arg(lower_bound)
+    positions = {name: i for i, name in ops.KERNEL_SCALAR_ARGS.items()}
+    assert args[positions["scale"]] is scale
+    assert args[positions["lower_bound"]] == ops._lower_bound_arg(lower_bound)
 
 
 class _FakeCompiled:
@@ -291,7 +292,7 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
     assert set(kwargs) == {"num_warps", "num_stages"}
     assert grid == (dims.batch * dims.num_v_heads * -(-dims.value_dim // config.block_sizes[0]),)
     sources = direct_launch.launch_sources(largs, args, ops.KERNEL_ARG_INPUTS, inputs,
-                                           {15: "scale", 16: "lower_bound"})
+                                           ops.KERNEL_SCALAR_ARGS)
     assert sources is not None
     assert sources.count(("scalar", "scale")) == 1
     assert {s[1] for s in sources if s[0] == "input"} == set(range(len(inputs)))  # every input is used

@@ -14,9 +14,10 @@ The H200 timed the pass 2.5-6.6% faster (sixteenth session), as 3.6's counts pre
 
 The one-warp choices (128+ row-head pairs) run at 223-255 registers by design: their 16-row chunks sit
 just under the limit (32 rows spill), so the lower-bound gate path is checked too. Their flush loop
-(tensor-core ring product) may spill a few registers (up to 16 B of stack; 48 B in the pre-decayed program over a
-16-row tile with the fused cursor advance, nineteenth session); the every-step path, which ptxas lays out first (up
-to the first ``EXIT``), must have no spill load or store. A bf16 checkpoint on
+(tensor-core ring product) may spill a few registers (up to 16 B of stack with ``[Vc, K]`` chunk tiles; 48 B in the
+pre-decayed program over a 16-row tile with the fused cursor advance, nineteenth session, and 32 B with the append
+loop's vector tiles, twenty-first); the every-step path, which ptxas lays out first (up to the first ``EXIT``), must
+have no spill load or store. A bf16 checkpoint on
 large grids (here 4096 pairs) runs the tensor-core chunks under a 168-register cap (12 programs per SM),
 where the flush path spills more (the SPEC layout 160 B, the pre-decayed one 336-344 B) and the every-step
 path of the SPEC layout 9 spill stores ahead of the chunk loop. The pre-decayed layout's rebase writes (mode
@@ -91,7 +92,7 @@ def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
     for r in results:
         capped = r["maxnreg"] is not None
         # under the cap the flush path spills (the pre-decayed kernels' more: 336-344 B on the H200's triton 3.6)
-        one_warp_limit = 48 if r["fused"] else 16
+        one_warp_limit = 48  # the flush loop of a 16-row one-warp program (vector tiles or the fused advance)
         stack_limit = (352 if r["predecayed"] else 256) if capped else one_warp_limit if r["warps"] == 1 else 0
         assert r["local"] == 0 and r["stack"] <= stack_limit, f"spills: {r}"
         if not capped:

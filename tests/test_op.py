@@ -4,12 +4,13 @@ float64 plain recurrence, over several ring cycles; plus the input validation of
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 
 import pytest
 import torch
 
-from tp_replayssm import _validation, configs, ops, reference
+from tp_replayssm import _validation, configs, kernel, ops, reference
 from _decode_scenario import OUT_TOL, Scenario, run_scenario
 
 CASES = {
@@ -68,9 +69,10 @@ PATH_CASES = {**{n: CASES[n] for n in ("gqa-bf16ring-fp32state", "strided-layer-
               **{f"predecayed-{n}": sc for n, sc in PREDECAYED_CASES.items()}}
 
 
+@pytest.mark.parametrize("tiles", [False, True], ids=["row-tiles", "vector-tiles"])
 @pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
 @pytest.mark.parametrize("name", list(PATH_CASES))
-def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, tiny: bool,
+def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, tiny: bool, tiles: bool,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's two constexpr paths (configs.tiny_batch): live-entry ring loads with the forward-scan
     suffix sums, and whole-ring loads (before the cursor is known) with the reverse scan. Ring entries
@@ -80,8 +82,10 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
     reference and the float64 recurrence read back through ``replay_predecayed_ring``; row 0 of an empty
     ring, which that kernel loads for ``G_{c-1}``, is NaN too and must be masked. The rebasing cases (softplus
     gates strong enough that ``G`` passes -75 inside a ring cycle) zero a head's deltas, so its older keys, up
-    to exp(75), must contribute exactly 0."""
+    to exp(75), must contribute exactly 0. Each with the append loop's ``[Vc, K]`` checkpoint tiles and its vector
+    tiles (``configs.vector_tiles``: ``[Ko, Vc, Ki, kv]`` tiles, the ring entries written before the loop)."""
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
+    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
     sc = PATH_CASES[name]
     worst = run_scenario(sc, ops.replayssm_decode_predecayed if sc.predecayed else ops.replayssm_decode)
     assert worst.flushes > 0 and worst.appends > 0
@@ -96,8 +100,9 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
 BF16_OPERANDS = Scenario(act_dtype=torch.float32, state_dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("mma", [False, True], ids=["register-chunks", "tensor-core-chunks"])
-def test_both_chunk_paths_match_reference(mma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mma,tiles", [(False, False), (False, True), (True, False)],
+                         ids=["register-chunks", "register-chunks-vector-tiles", "tensor-core-chunks"])
+def test_both_chunk_paths_match_reference(mma: bool, tiles: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's every-step chunk paths (``LaunchChoice.mma_chunks``) on a bf16 checkpoint with bf16
     rings: row reductions in registers, or bf16 MMAs against the ``hi + mid + lo`` split of the fp32
     vectors. With fp32 activations ``out`` must match the reference to 2e-5: plain bf16 vectors fail that
@@ -112,6 +117,7 @@ def test_both_chunk_paths_match_reference(mma: bool, monkeypatch: pytest.MonkeyP
         return choice._replace(mma_chunks=mma)
 
     monkeypatch.setattr(ops, "select_config", forced)
+    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
     worst = run_scenario(BF16_OPERANDS, ops.replayssm_decode)
     assert worst.flushes > 0 and worst.appends > 0
     assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
@@ -125,6 +131,44 @@ def test_tiny_batch_path_only_below_the_threshold() -> None:
                       value_dim=128, ring_length=16, num_slots=1024)
     assert configs.tiny_batch(dims)
     assert not configs.tiny_batch(dataclasses.replace(dims, batch=configs.TINY_BATCH_BELOW // 4))
+
+
+@pytest.mark.parametrize("K,dtype,shape", [(128, torch.bfloat16, (4, 4, 8)), (128, torch.float32, (8, 4, 4)),
+                                           (16, torch.bfloat16, (1, 2, 8)), (24, torch.float32, (3, 2, 4)),
+                                           (20, torch.bfloat16, (5, 1, 4))])
+def test_vector_tiles_view_holds_the_checkpoint_rows(K: int, dtype: torch.dtype, shape: tuple) -> None:
+    """``ops._vector_tiles_view``: ``[Ko, span, Ki, kv]`` with ``kv`` elements a 16-byte vector where K allows
+    (else the largest divisor), ``Ki`` of them per thread (``VECTORS_PER_LANE``), and element ``[o, r, i, e]`` =
+    row ``r`` of the rows view at column ``(o*Ki + i)*kv + e`` (checked against the padded, strided cache it views)."""
+    cache = torch.randn(3, 2, 5, K + 3).to(dtype)[..., :K]  # padded rows: strides the kernel must follow
+    rows, _ = ops._rows_view(cache)
+    tiles = ops._vector_tiles_view(rows, K, cache.element_size())
+    ko, ki, kv = shape
+    assert (tiles.shape[0], tiles.shape[2], tiles.shape[3]) == shape and tiles.shape[1] == rows.shape[0]
+    cols = torch.arange(K).reshape(ko, ki, kv)
+    for r in (0, 7, rows.shape[0] - 1):
+        for o in range(ko):
+            assert torch.equal(tiles[o, r], rows[r, cols[o]]), (r, o)
+
+
+def test_vector_tiles_only_for_one_warp_register_chunks() -> None:
+    """``configs.vector_tiles``: one-warp programs without tensor-core chunks, except fp32 checkpoints over value
+    tiles below 64 rows (slower there on the H200), and keys of a power-of-two width only; ``FORCED_VECTOR_TILES``
+    never puts them on tensor-core chunks or such keys."""
+    def tiles(vt: int, warps: int, dtype: torch.dtype, mma: bool = False, K: int = 128) -> bool:
+        return configs.vector_tiles(configs.LaunchChoice(configs.launch_config(vt, warps), 16, None, mma), dtype, K)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert tiles(64, 1, bf16) and tiles(16, 1, bf16) and tiles(64, 1, fp32) and tiles(128, 1, fp32)
+    assert tiles(16, 1, bf16, K=64) and not tiles(16, 1, bf16, K=96)
+    assert not tiles(32, 1, fp32) and not tiles(16, 1, fp32)
+    assert not tiles(16, 4, bf16) and not tiles(64, 2, bf16) and not tiles(128, 1, bf16, mma=True)
+    try:
+        configs.FORCED_VECTOR_TILES = True
+        assert tiles(16, 4, fp32) and not tiles(128, 1, bf16, mma=True) and not tiles(16, 4, fp32, K=24)
+        configs.FORCED_VECTOR_TILES = False
+        assert not tiles(64, 1, bf16)
+    finally:
+        configs.FORCED_VECTOR_TILES = None
 
 
 def test_reference_matches_plain_recurrence_tightly_in_fp32() -> None:
@@ -438,9 +482,11 @@ REBASE_PASS_CASES = {
 }
 
 
-@pytest.mark.parametrize("mma", [False, True], ids=["register-chunks", "tensor-core-chunks"])
+@pytest.mark.parametrize("mma,tiles", [(False, False), (False, True), (True, False)],
+                         ids=["register-chunks", "register-chunks-vector-tiles", "tensor-core-chunks"])
 @pytest.mark.parametrize("name", list(REBASE_PASS_CASES))
-def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a register cap (``LaunchChoice.maxnreg``: GPU tensor-core grids that it saves a wave, and fp32
     register-path grids that it fits into one, with 8-row chunks) a rebasing head runs the append loop and then
     a rebase pass of its own (``ops.predecayed_mode`` 3) instead of the flush branch (2): the same contract, held
@@ -452,8 +498,10 @@ def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, monkeypat
     chosen, modes = ops.select_config, []
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
         maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
-    kernel_args = ops.kernel_args
-    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[-2]) or kernel_args(*a))
+    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
+    kernel_args, at = ops.kernel_args, list(inspect.signature(kernel.replayssm_decode_kernel).parameters).index(
+        "predecayed_ring")
+    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(kernel_args(*a)[at]) or kernel_args(*a))
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert set(modes) == {3}, modes
     assert worst.flushes > 0 and worst.appends > 0

@@ -50,6 +50,8 @@ FORCED: LaunchChoice | None = None
 FORCED_TINY_BATCH: bool | None = None
 # Set by benchmarks/tune_decode.py to force the pre-decayed rebase's form (rebase_pass); None in normal use.
 FORCED_REBASE_PASS: bool | None = None
+# Set by tests and benchmarks to force the append loop's vector tiles on or off (vector_tiles); None in normal use.
+FORCED_VECTOR_TILES: bool | None = None
 
 # The tiny-batch path below this many (row, value head) pairs. H200, 2026-11-29 (fourth session), us/step:
 # whole-ring loads HV8 B1 4.54 -> 4.37, HV32 B1 5.32 -> 5.32, HV8 B8 6.51 -> 7.20, HV32 B8 12.75 -> 13.14;
@@ -258,6 +260,28 @@ def rebase_pass(choice: LaunchChoice) -> bool:
     if FORCED_REBASE_PASS is not None:
         return FORCED_REBASE_PASS
     return choice.maxnreg is not None
+
+
+def vector_tiles(choice: LaunchChoice, state_dtype: torch.dtype, key_dim: int) -> bool:
+    """Whether the register append loop reads the checkpoint as ``[Ko, Vc, Ki, kv]`` vector tiles (the kernel's
+    constexpr ``vector_tiles``; ``ops._vector_tiles_view``): a value row's dot products then sum in its thread and
+    over ``Ko`` lanes, and the d ring loads put the value rows across the lanes, instead of 4-5 shuffle rounds per
+    row. One-warp programs without tensor-core chunks, except fp32 checkpoints over value tiles below 64 rows; keys
+    of a power-of-two width only (Triton's tiles are powers of two: ``K // kv`` must split into them exactly).
+    H200, twenty-first session, the op alone (tune_decode.py), us/step [Vc, K] -> vector tiles: bf16 pre-decayed
+    HV4 B128 (64:16:1) 8.72 -> 8.22, HV16 B32 8.73 -> 8.25, HV8 B32 (32:16:1) 5.88 -> 5.65, HV32 B1 (16:16:1) 3.00
+    -> 2.81, HV12 B8 4.18 -> 4.15; fp32 SPEC HV8 B128 (128:16:1) 26.57 -> 25.68, pre-decayed HV12 B128 (128:8:1,
+    168-register cap) 36.58 -> 34.75, HV32 B512 335.0 -> 330.1, HV4 B128 (64:16:1) 11.14 -> 11.05; slower: fp32
+    pre-decayed HV12 B8 (16:16:1) 4.43 -> 4.82, SPEC HV32 B8 (32:16:1) 8.90 -> 9.57, and the 4-warp programs (HV8 B1
+    16:16:4 2.34 -> 2.62 bf16, 3.57 -> 3.76 fp32; 32:32:4 4.04 -> 4.11; 64:32:4 5.12 -> 5.20).
+    ``FORCED_VECTOR_TILES`` overrides it (tests, benchmarks)."""
+    if key_dim & (key_dim - 1):
+        return False
+    if FORCED_VECTOR_TILES is not None:
+        return FORCED_VECTOR_TILES and not choice.mma_chunks
+    if choice.mma_chunks or choice.config.config["num_warps"] != 1:
+        return False
+    return state_dtype != torch.float32 or choice.config.config["block_sizes"][0] >= 64
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

@@ -35,6 +35,20 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
    the register reductions; unpipelined it was slower (eighth session), pipelined and with 12 programs
    per SM it takes 4-11% off the bf16 steps from 1024 programs up (eleventh session).
 
+4. with ``vector_tiles`` (``configs.vector_tiles``: one-warp programs on the register path), the append loop reads
+   the checkpoint through ``state_vecs``, the same rows viewed as ``[Ko, span, Ki, kv]`` (``ops._vector_tiles_view``:
+   K split into 16-byte vectors of ``kv`` elements, ``Ki = 4`` of them per thread), as ``[Ko, Vc, Ki, kv]`` tiles.
+   Triton's coalescing orders a tile's lanes by the contiguity of its dims, ties to the lower dim, so ``Ko`` lanes
+   go along K and the other ``32 / Ko`` across the value rows: a row's two dot products sum in its thread and then
+   over ``Ko`` lanes (2-3 shuffle rounds) instead of over the 16 or 32 lanes of a ``[Vc, K]`` tile, each lane
+   holding ``K / Ko`` entries of ``ak``, ``aq``. Its d-ring tiles take 8-byte vectors (``_ring_rows``), which puts 8
+   lanes on the ring entries and most of the ring reduction in-thread. The ring entries at c are then written before
+   the loop (after it, what they need stayed live across the loop and spilled). sm_90 (triton 3.6): the chunk loop of
+   the HV4 B128 bf16 pre-decayed program is 510 SASS instructions instead of 764 (144 shuffles -> ~30), the fp32
+   128:16:1 program's 450 instead of 661; on the H200 the op alone took 5-6% less at bf16 HV4 B128 / HV16 B32 and
+   3-5% at the large fp32 grids (twenty-first session). The flush branch keeps ``[Vc, K]`` tiles (its product is on
+   tensor cores); it loads its own first chunk.
+
 So the checkpoint is read once per step and written once per ring cycle, in the same pass: no second
 launch, no second read of the checkpoint, no scratch buffer.
 
@@ -139,10 +153,53 @@ def _chunk_outputs(S0, d_ring, v_c, ak, aq, wk, wq, beta, kq):  # noqa: ANN001, 
     deltas ``d_ring [Lb, Vc]`` (fp32): ``S' @ k = S0 @ ak + D^T wk``, likewise for q. The vectors come
     broadcastable (``ak, aq [1, K]``, ``wk, wq [Lb, 1]``): Helion 1.5.0 fails to lower an indexing such as
     ``ak[None, :]`` of a kernel value inside a helper called from two loops."""
-    spk = torch.sum(S0 * ak, dim=1) + torch.sum(d_ring * wk, dim=0)
-    spq = torch.sum(S0 * aq, dim=1) + torch.sum(d_ring * wq, dim=0)
+    spk = _row_dots(S0, ak) + torch.sum(d_ring * wk, dim=0)
+    spq = _row_dots(S0, aq) + torch.sum(d_ring * wq, dim=0)
     delta = beta * (v_c - spk)
     return delta, spq + delta * kq
+
+
+def _row_dots(S0, a):  # noqa: ANN001, ANN202 - traced by Helion
+    """``S0 @ a`` per row: ``S0 [Vc, K]`` with ``a [1, K]``, or ``S0 [Ko, Vc, Ki, kv]`` (the append loop's
+    vector tiles, see ``state_vecs``) with ``a [Ko, 1, Ki, kv]``."""
+    if S0.dim() == 4:
+        return torch.sum(torch.sum(torch.sum(S0 * a, dim=3), dim=2), dim=0)
+    return torch.sum(S0 * a, dim=1)
+
+
+def _ring_rows(rows, vector_tiles):  # noqa: ANN001, ANN202 - traced by Helion
+    """A head's d-ring rows ``[Lb]`` (in the rows view) for an ``[Lb, Vc]`` access; with ``vector_tiles``, their
+    alignment hidden from Triton beyond 4 elements (``tl.multiple_of(rows, 4)``). A ring tile loaded with it gets
+    8-byte vectors, so Triton's coalescing spreads it over 8 lanes of ring entries and 4 of value rows (16-byte
+    vectors put 16 lanes on the entries) and the reduction over the ring is mostly in-thread. Every ``[Lb, Vc]``
+    access takes it: the coalescing gives the loads and stores that share an address computation the widest
+    vector among them. sm_90, triton 3.6, HV4 B128 bf16 pre-decayed: the chunk loop 613 SASS instructions without
+    the hint, 510 with it; hinted down to 1 element (all 16 entries in 2 lanes) it spilled in the loop. H200:
+    9.16 us/step without the hint, 8.22-8.25 with it (twenty-first session)."""
+    if vector_tiles:
+        return hl.inline_triton("tl.multiple_of({0}, 4)", [rows], rows)
+    return rows
+
+
+def _g_entry(g, g_cum, keep, predecayed_ring):  # noqa: ANN001, ANN202 - traced by Helion
+    """The append's g-ring entry at position c: ``G_c = G_{c-1} + g`` in the pre-decayed layout (0, the new base,
+    for a rebasing head of mode 3: ``keep`` false), ``g`` in the SPEC layout. (Helion traces helpers on fake
+    tensors, so the stores, at data-dependent rows, stay in the kernel body.)"""
+    if predecayed_ring == 3:
+        return torch.where(keep, g_cum, 0.0)
+    if predecayed_ring:
+        return g_cum
+    return g
+
+
+def _k_entry(k, g_cum, keep, predecayed_ring):  # noqa: ANN001, ANN202 - traced by Helion
+    """The append's k-ring entry at position c: ``kt_c = k*exp(-G_c)`` in the pre-decayed layout (0 for a rebasing
+    head of mode 3), ``k`` in the SPEC layout."""
+    if predecayed_ring == 3:
+        return torch.where(keep, k * torch.exp(-g_cum), 0.0)
+    if predecayed_ring:
+        return k * torch.exp(-g_cum)
+    return k
 
 
 def _split3_columns(xk, xq, col):  # noqa: ANN001, ANN202 - traced by Helion
@@ -171,6 +228,7 @@ def replayssm_decode_kernel(
     d_rows: torch.Tensor,  # d ring rows view [span, V]
     k_rows: torch.Tensor,  # k ring rows view [span, K] (per q/k head; per value head if predecayed_ring)
     g_rows: torch.Tensor,  # g ring rows view [span, K] (cumulative gates if predecayed_ring)
+    state_vecs: torch.Tensor,  # the checkpoint rows as [Ko, span, Ki, kv], K = Ko*Ki*kv, kv = one 16-byte vector
     out3: torch.Tensor,  # [B, HV, V]
     slots: torch.Tensor,  # [B] int32
     write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
@@ -191,6 +249,7 @@ def replayssm_decode_kernel(
     chunks_on_tensor_cores: hl.constexpr,
     predecayed_ring: hl.constexpr,  # 0: SPEC layout; pre-decayed 1: no rebase possible, 2/3: rebases (module docstring)
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (module docstring)
+    vector_tiles: hl.constexpr = False,  # the register append loop on state_vecs tiles (module docstring)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -215,8 +274,10 @@ def replayssm_decode_kernel(
         hv = h * group + sub
         if predecayed_ring:  # the k ring's head: pre-decayed keys depend on the value head's gates
             kh = hv
+            k_owner = True  # every value head appends its own keys
         else:
             kh = h
+            k_owner = sub == 0  # the q/k head's first value head appends its key
         slot = slots[row]
         if slot >= 0:
             s64 = slot.to(torch.int64)
@@ -225,7 +286,10 @@ def replayssm_decode_kernel(
             # first value chunk's loads go out now, so their latency overlaps the ring math below
             rows = tv.begin + hl.arange(value_chunk)
             live = rows < tv.end
-            if not mma_chunks:
+            if vector_tiles:  # [Ko, Vc, Ki, kv] tiles: the value rows across the lanes (module docstring)
+                S_next = hl.load(state_vecs, [slice(None), st_base + rows * st_v, slice(None), slice(None)],
+                                 extra_mask=live[None, :, None, None])
+            elif not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
             if advance_cursors:  # the fused advance (module docstring): the read is an atomic count of the readers
                 # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument). The flush
@@ -247,7 +311,8 @@ def replayssm_decode_kernel(
             else:  # load only the live entries (fewer bytes)
                 ring_mask = valid
             if not mma_chunks:
-                d_next = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_mask[:, None] & live[None, :])
+                d_next = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), rows],
+                                 extra_mask=ring_mask[:, None] & live[None, :])
             if predecayed_ring:  # tot = G_{c-1}, one row (0 for an empty ring); no scan, no exp per entry
                 g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             else:
@@ -258,6 +323,7 @@ def replayssm_decode_kernel(
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
             beta = torch.sigmoid(b2[row, hv].to(torch.float32))
             eg = torch.exp(g)
+            keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
             if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
                 tot = torch.where(cur > 0, g_last, 0.0)
                 kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
@@ -279,6 +345,7 @@ def replayssm_decode_kernel(
                     d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
             else:  # (spelled apart from the branch above: this statement order keeps the SPEC path's registers)
                 kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
+                g_cum = g  # (the g ring holds gates, not sums)
                 xk = eg * k
                 xq = eg * q
                 wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
@@ -288,7 +355,20 @@ def replayssm_decode_kernel(
                 aq = et * xq
             kq = torch.sum(k * q, dim=0)
             ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
+            if vector_tiles:  # the append loop's [Ko, 1, Ki, kv]
+                ko, ki, kv = state_vecs.size(0), state_vecs.size(2), state_vecs.size(3)
+                ak_loop = ak.reshape(ko, ki, kv)[:, None, :, :]
+                aq_loop = aq.reshape(ko, ki, kv)[:, None, :, :]
+            else:
+                ak_loop, aq_loop = ak_row, aq_row
             if append:  # every step but the flush: outputs and the ring append of delta
+                if vector_tiles:  # the ring entries at c (g, and k per k-ring head) before the loop: no program of the
+                    # launch reads entry c (a whole-ring load masks it); written after the loop, they spilled here
+                    if tv.begin == 0:
+                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = _g_entry(g, g_cum, keep, predecayed_ring)
+                        if k_owner:
+                            k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = _k_entry(
+                                k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
                 if mma_chunks:  # the chunk products on tensor cores (module docstring)
                     col = hl.arange(16)[None, :]
                     a_mat = _split3_columns(ak[:, None], aq[:, None], col)  # [K, 16] bf16
@@ -313,31 +393,29 @@ def replayssm_decode_kernel(
                     for chunk in hl.grid(tv.begin, tv.end, value_chunk):
                         rows = chunk + hl.arange(value_chunk)
                         live = rows < tv.end
-                        S0 = S_next.to(torch.float32)  # [Vc, K]
+                        S0 = S_next.to(torch.float32)  # [Ko, Vc, Ki, kv] (vector_tiles) or [Vc, K]
                         d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
                         after = rows + value_chunk  # prefetch the next chunk (masked after the last)
-                        S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                         extra_mask=(after < tv.end)[:, None])
-                        d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
+                        if vector_tiles:
+                            S_next = hl.load(state_vecs, [slice(None), st_base + after * st_v, slice(None),
+                                                          slice(None)], extra_mask=(after < tv.end)[None, :, None, None])
+                        else:
+                            S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                             extra_mask=(after < tv.end)[:, None])
+                        d_next = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), after],
                                          extra_mask=valid[:, None] & (after < tv.end)[None, :])
                         v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                        delta, out = _chunk_outputs(S0, d_ring, v_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                        delta, out = _chunk_outputs(S0, d_ring, v_c, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
                         hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
                         if predecayed_ring == 3:  # a rebasing head stores none
                             live = live & (rows < d_end)
                         hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
-                if tv.begin == 0:  # g (and k, once per q/k head) at ring position c
-                    if predecayed_ring == 3:  # as below; a rebase writes G_c = 0 (the new base) and kt_c = 0
-                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = torch.where(keep, g_cum, 0.0)
-                        k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = torch.where(
-                            keep, k * torch.exp(-g_cum), 0.0).to(k_rows.dtype)
-                    elif predecayed_ring:  # G_c = G_{c-1} + g and kt_c = k*exp(-G_c), per value head
-                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_cum
-                        k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = (k * torch.exp(-g_cum)).to(k_rows.dtype)
-                    else:
-                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g
-                        if sub == 0:
-                            k_rows[s64 * kr_s + h * kr_h + cur * kr_l, :] = k.to(k_rows.dtype)
+                if not vector_tiles:  # the ring entries at c, as above
+                    if tv.begin == 0:
+                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = _g_entry(g, g_cum, keep, predecayed_ring)
+                        if k_owner:
+                            k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = _k_entry(
+                                k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
                 if predecayed_ring == 3:
                     # A rebase: a second pass over the value tile folds the ring and this step's delta into the
                     # checkpoint, S0*exp(G_c) + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (the ring
@@ -351,7 +429,7 @@ def replayssm_decode_kernel(
                             zlive = zrows < tv.end
                             zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],
                                           extra_mask=zlive[:, None]).to(torch.float32)
-                            zd = hl.load(d_rows, [dr_base + j * dr_l, zrows],
+                            zd = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
                                          extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
                             zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
                             zdelta, _ = _chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
@@ -365,7 +443,7 @@ def replayssm_decode_kernel(
                             hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),
                                      extra_mask=zlive[:, None])
                             hl.inline_triton("tl.debug_barrier()", [], None)
-                            hl.store(d_rows, [dr_base + j * dr_l, zrows],
+                            hl.store(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
                                      hl.zeros([ring_block, value_chunk], d_rows.dtype),
                                      extra_mask=(j <= cur)[:, None] & zlive[None, :])
             else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
@@ -376,10 +454,12 @@ def replayssm_decode_kernel(
                         if rebase:
                             g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = hl.zeros([g_rows.size(1)], torch.float32)
                             k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = hl.zeros([k_rows.size(1)], k_rows.dtype)
-                if mma_chunks:  # the first chunk's loads, issued before the prologue on the other path
-                    S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-                    d_next = hl.load(d_rows, [dr_base + j * dr_l, rows],
-                                     extra_mask=ring_mask[:, None] & live[None, :])
+                if mma_chunks or vector_tiles:  # the first chunk's [Vc, K] tile (the prologue's on the other path)
+                    fS_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+                    fd_next = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), rows],
+                                      extra_mask=ring_mask[:, None] & live[None, :])
+                else:
+                    fS_next, fd_next = S_next, d_next
                 if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
                     if predecayed_ring:  # kt_j*exp(G_c)
                         k_flush = kdec * e_new[None, :]  # [Lb, K]
@@ -394,12 +474,12 @@ def replayssm_decode_kernel(
                 for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
                     frows = fchunk + hl.arange(value_chunk)
                     flive = frows < tv.end
-                    fS0 = S_next.to(torch.float32)  # [Vc, K]
-                    fd_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                    fS0 = fS_next.to(torch.float32)  # [Vc, K]
+                    fd_ring = torch.where(valid[:, None], fd_next.to(torch.float32), 0.0)  # [Lb, Vc]
                     fafter = frows + value_chunk  # prefetch the next chunk (masked after the last)
-                    S_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
-                                     extra_mask=(fafter < tv.end)[:, None])
-                    d_next = hl.load(d_rows, [dr_base + j * dr_l, fafter],
+                    fS_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
+                                      extra_mask=(fafter < tv.end)[:, None])
+                    fd_next = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
                                      extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
                     fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
                     fdelta, fout = _chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
@@ -428,7 +508,8 @@ def replayssm_decode_kernel(
                         # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not
                         # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)
                         hl.inline_triton("tl.debug_barrier()", [], None)
-                        hl.store(d_rows, [dr_base + j * dr_l, frows], hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                        hl.store(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), frows],
+                                 hl.zeros([ring_block, value_chunk], d_rows.dtype),
                                  extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
         else:
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)

@@ -9,6 +9,7 @@ without CUDA the kernel runs only under an interpreter (``TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import math
 import os
 import weakref
 
@@ -18,7 +19,7 @@ from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
 from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs_once
-from .configs import rebase_pass, select_config, tiny_batch
+from .configs import rebase_pass, select_config, tiny_batch, vector_tiles
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -40,6 +41,24 @@ def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     view = t.detach().as_strided((span, t.shape[3]), (1, 1), t.storage_offset()), (s0, s1, s2)
     _ROWS_VIEWS[key] = (weakref.ref(t, lambda _, key=key: _ROWS_VIEWS.pop(key, None)), meta, view)
     return view
+
+
+def _vector_tiles_view(state_rows: torch.Tensor, K: int, element_size: int) -> torch.Tensor:
+    """The checkpoint rows view ``[span, K]`` as ``[Ko, span, Ki, kv]`` (same elements): ``K = Ko*Ki*kv`` split
+    into ``kv``-element 16-byte vectors, ``Ki = VECTORS_PER_LANE`` of them per thread. The kernel's append loop
+    loads its ``[Ko, Vc, Ki, kv]`` tiles from it, which Triton lays out with ``Ko`` lanes along K and the value rows
+    across the other lanes of the warp: a row's dot product is then summed in its thread and over ``Ko`` lanes
+    (log2(Ko) shuffles), not over the 16 or 32 lanes of a ``[Vc, K]`` tile."""
+    kv = math.gcd(K, 16 // element_size)
+    ki = math.gcd(K // kv, VECTORS_PER_LANE)
+    ko = K // kv // ki
+    return state_rows.as_strided((ko, state_rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), state_rows.storage_offset())
+
+
+# 16-byte vectors of a checkpoint row per thread in the append loop's tiles (_vector_tiles_view). sm_90, triton 3.6,
+# HV4 B128 bf16 pre-decayed (64:16:1): the chunk loop 764 SASS instructions with [Vc, K] tiles, 510 with 4 vectors
+# (8 lanes per row), 492-751 with 2 or 8 of them (spills); fp32 128:16:1: 661 -> 450 (4 vectors, 0 spills)
+VECTORS_PER_LANE = 4
 
 
 # id(tensor) -> (weakref to it, (data_ptr, shape, strides), (rows view, outer strides))
@@ -178,6 +197,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     config, value_chunk, maxnreg, mma_chunks = choice
     tiny = tiny_batch(dims)
     rebase = rebase_pass(choice)
+    tiles = vector_tiles(choice, initial_state.dtype, dims.key_dim)
     readers = cursor_readers(dims, config) if advance else 0
     if advance and not cursors_by_slot:
         raise ValueError("replayssm_decode: advance=True needs the pool's cursor table [S + 1] (cursors_by_slot=True); "
@@ -188,11 +208,11 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers),
+                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles),
         inputs, mixed_qkv.device,
-        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers),
+        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles),
         KERNEL_ARG_INPUTS,
-        {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, {15: "scale", 16: "lower_bound"},
+        {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, KERNEL_SCALAR_ARGS,
         None if maxnreg is None else {"maxnreg": maxnreg})
 
 
@@ -204,7 +224,9 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12) + (None,) * 24
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 5, 9, 10, 11, 12) + (None,) * 25
+# positions of the runtime scalars in kernel_args' tuple
+KERNEL_SCALAR_ARGS = {16: "scale", 17: "lower_bound"}
 
 
 def cursor_readers(dims: DecodeDims, config: object) -> int:
@@ -226,12 +248,14 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 slots: torch.Tensor, write_pos: torch.Tensor, force_flush: torch.Tensor,
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
-                predecayed: bool = False, rebase_pass: bool = False, advance_cursors: int = 0) -> tuple:
+                predecayed: bool = False, rebase_pass: bool = False, advance_cursors: int = 0,
+                vector_tiles: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
     ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
     ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``rebase_pass`` (:func:`configs.rebase_pass`) set its
-    ``predecayed_ring`` (:func:`predecayed_mode`); ``advance_cursors`` is :func:`cursor_readers` or 0."""
+    ``predecayed_ring`` (:func:`predecayed_mode`); ``advance_cursors`` is :func:`cursor_readers` or 0;
+    ``vector_tiles`` is :func:`configs.vector_tiles`."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -246,12 +270,13 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     d_rows, dr = _rows_view(d_cache)
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
+    state_vecs = _vector_tiles_view(state_rows, K, initial_state.element_size())
     ring_block = max(16, 1 << (L - 1).bit_length())
     lb = _lower_bound_arg(lower_bound)
-    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, out3,
+    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, state_vecs, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors)
+            predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors, vector_tiles)
 
 
 def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int,

@@ -140,6 +140,11 @@ VARIANTS: dict[str, Variant] = {
         ("                g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]\n",
          "                g_last = g_rows[s64 * gr_s + hv * gr_h, :]  # VARIANT: fixed row\n"),
     ), True),
+    "ring_vectors8": Variant("the append loop's d-ring loads without the alignment hint (16-byte vectors along the "
+                             "value rows, the ring entries across the lanes), the checkpoint's vector tiles kept", (
+        ('        return hl.inline_triton("tl.multiple_of({0}, 4)", [rows], rows)\n',
+         '        return rows  # VARIANT: no hint\n'),
+    ), False),
     "pdl_exit": Variant("programmatic dependent launch: wait at entry, let the next kernel launch at exit", (
         ("    hl.pdl_wait()\n    hl.pdl_launch_dependents()\n", "    hl.pdl_wait()  # VARIANT: trigger at exit\n"),
         ("            out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)\n",
