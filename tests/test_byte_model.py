@@ -193,8 +193,9 @@ def test_grid_flags_and_dry_run(capsys):
 
 
 def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]`` and ``--tiny-batch`` (they set ``configs.FORCED`` /
-    ``FORCED_TINY_BATCH`` on the GPU), checked when the arguments are parsed."""
+    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]``, ``--tiny-batch`` and ``--vector-tiles`` (they set
+    ``configs.FORCED`` / ``FORCED_TINY_BATCH`` / ``FORCED_VECTOR_TILES`` on the GPU), checked when the arguments are
+    parsed."""
     bd = _bench_decode()
     from launch_args import LaunchSpec
 
@@ -214,6 +215,9 @@ def test_forced_launch_choice_and_tiny_path_flags(capsys):
     assert "VT:VC:WARPS" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bd.parse_args(["--tiny-batch", "maybe"])
+    assert bd.parse_args([]).vector_tiles == "auto" and bd.parse_args(["--vector-tiles", "2"]).vector_tiles == "2"
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--vector-tiles", "3"])
 
 
 def test_no_cuda_exits_with_a_message(capsys, monkeypatch):

@@ -69,10 +69,10 @@ PATH_CASES = {**{n: CASES[n] for n in ("gqa-bf16ring-fp32state", "strided-layer-
               **{f"predecayed-{n}": sc for n, sc in PREDECAYED_CASES.items()}}
 
 
-@pytest.mark.parametrize("tiles", [False, True], ids=["row-tiles", "vector-tiles"])
+@pytest.mark.parametrize("tiles", [0, 1, 2], ids=["row-tiles", "vector-tiles", "key-tiles"])
 @pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
 @pytest.mark.parametrize("name", list(PATH_CASES))
-def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, tiny: bool, tiles: bool,
+def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, tiny: bool, tiles: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's two constexpr paths (configs.tiny_batch): live-entry ring loads with the forward-scan
     suffix sums, and whole-ring loads (before the cursor is known) with the reverse scan. Ring entries
@@ -83,10 +83,14 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
     ring, which that kernel loads for ``G_{c-1}``, is NaN too and must be masked. The rebasing cases (softplus
     gates strong enough that ``G`` passes -75 inside a ring cycle) zero a head's deltas, so its older keys, up
     to exp(75), must contribute exactly 0. Each with the append loop's ``[Vc, K]`` checkpoint tiles and its vector
-    tiles (``configs.vector_tiles``: ``[Ko, Vc, Ki, kv]`` tiles, the ring entries written before the loop)."""
+    tiles (``configs.vector_tiles`` 1: ``[Ko, Vc, Ki, kv]`` tiles, the ring entries written before the loop), and
+    in the pre-decayed layout with its key tiles too (2: ``wk``, ``wq`` from ``[Ko, Lb, Ki, kv]`` tiles of the keys,
+    the flush's keys loaded in the flush branch)."""
+    sc = PATH_CASES[name]
+    if tiles == 2 and not sc.predecayed:
+        pytest.skip("the SPEC layout's kernel reads no key tiles (2 runs as 1)")
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
-    sc = PATH_CASES[name]
     worst = run_scenario(sc, ops.replayssm_decode_predecayed if sc.predecayed else ops.replayssm_decode)
     assert worst.flushes > 0 and worst.appends > 0
     _check_rebases(sc, worst.rebases)
@@ -100,9 +104,9 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
 BF16_OPERANDS = Scenario(act_dtype=torch.float32, state_dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("mma,tiles", [(False, False), (False, True), (True, False)],
+@pytest.mark.parametrize("mma,tiles", [(False, 0), (False, 1), (True, 0)],
                          ids=["register-chunks", "register-chunks-vector-tiles", "tensor-core-chunks"])
-def test_both_chunk_paths_match_reference(mma: bool, tiles: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_both_chunk_paths_match_reference(mma: bool, tiles: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel's every-step chunk paths (``LaunchChoice.mma_chunks``) on a bf16 checkpoint with bf16
     rings: row reductions in registers, or bf16 MMAs against the ``hi + mid + lo`` split of the fp32
     vectors. With fp32 activations ``out`` must match the reference to 2e-5: plain bf16 vectors fail that
@@ -152,21 +156,21 @@ def test_vector_tiles_view_holds_the_checkpoint_rows(K: int, dtype: torch.dtype,
 
 
 def test_vector_tiles_only_for_one_warp_register_chunks() -> None:
-    """``configs.vector_tiles``: one-warp programs without tensor-core chunks, except fp32 checkpoints over value
-    tiles below 64 rows (slower there on the H200), and keys of a power-of-two width only; ``FORCED_VECTOR_TILES``
-    never puts them on tensor-core chunks or such keys."""
-    def tiles(vt: int, warps: int, dtype: torch.dtype, mma: bool = False, K: int = 128) -> bool:
+    """``configs.vector_tiles``: one-warp programs without tensor-core chunks (2, the pre-decayed key tiles too, where
+    a program has one chunk), except fp32 checkpoints over value tiles below 64 rows (slower there on the H200), and
+    keys of a power-of-two width only; ``FORCED_VECTOR_TILES`` never puts them on tensor-core chunks or such keys."""
+    def tiles(vt: int, warps: int, dtype: torch.dtype, mma: bool = False, K: int = 128) -> int:
         return configs.vector_tiles(configs.LaunchChoice(configs.launch_config(vt, warps), 16, None, mma), dtype, K)
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert tiles(64, 1, bf16) and tiles(16, 1, bf16) and tiles(64, 1, fp32) and tiles(128, 1, fp32)
-    assert tiles(16, 1, bf16, K=64) and not tiles(16, 1, bf16, K=96)
-    assert not tiles(32, 1, fp32) and not tiles(16, 1, fp32)
-    assert not tiles(16, 4, bf16) and not tiles(64, 2, bf16) and not tiles(128, 1, bf16, mma=True)
+    assert [tiles(64, 1, bf16), tiles(32, 1, bf16), tiles(16, 1, bf16)] == [1, 1, 2]
+    assert [tiles(128, 1, fp32), tiles(64, 1, fp32), tiles(32, 1, fp32), tiles(16, 1, fp32)] == [1, 1, 0, 0]
+    assert tiles(16, 1, bf16, K=64) == 2 and tiles(16, 1, bf16, K=96) == 0
+    assert tiles(16, 4, bf16) == tiles(64, 2, bf16) == tiles(128, 1, bf16, mma=True) == 0
     try:
-        configs.FORCED_VECTOR_TILES = True
-        assert tiles(16, 4, fp32) and not tiles(128, 1, bf16, mma=True) and not tiles(16, 4, fp32, K=24)
-        configs.FORCED_VECTOR_TILES = False
-        assert not tiles(64, 1, bf16)
+        configs.FORCED_VECTOR_TILES = 2
+        assert tiles(16, 4, fp32) == 2 and tiles(128, 1, bf16, mma=True) == 0 and tiles(16, 4, fp32, K=24) == 0
+        configs.FORCED_VECTOR_TILES = 0
+        assert tiles(64, 1, bf16) == 0
     finally:
         configs.FORCED_VECTOR_TILES = None
 
@@ -482,10 +486,10 @@ REBASE_PASS_CASES = {
 }
 
 
-@pytest.mark.parametrize("mma,tiles", [(False, False), (False, True), (True, False)],
-                         ids=["register-chunks", "register-chunks-vector-tiles", "tensor-core-chunks"])
+@pytest.mark.parametrize("mma,tiles", [(False, 0), (False, 2), (True, 0)],
+                         ids=["register-chunks", "register-chunks-key-tiles", "tensor-core-chunks"])
 @pytest.mark.parametrize("name", list(REBASE_PASS_CASES))
-def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: bool,
+def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a register cap (``LaunchChoice.maxnreg``: GPU tensor-core grids that it saves a wave, and fp32
     register-path grids that it fits into one, with 8-row chunks) a rebasing head runs the append loop and then

@@ -50,8 +50,8 @@ FORCED: LaunchChoice | None = None
 FORCED_TINY_BATCH: bool | None = None
 # Set by benchmarks/tune_decode.py to force the pre-decayed rebase's form (rebase_pass); None in normal use.
 FORCED_REBASE_PASS: bool | None = None
-# Set by tests and benchmarks to force the append loop's vector tiles on or off (vector_tiles); None in normal use.
-FORCED_VECTOR_TILES: bool | None = None
+# Set by tests and benchmarks to force the kernel's vector tiles (vector_tiles: 0, 1 or 2); None in normal use.
+FORCED_VECTOR_TILES: int | None = None
 
 # The tiny-batch path below this many (row, value head) pairs. H200, 2026-11-29 (fourth session), us/step:
 # whole-ring loads HV8 B1 4.54 -> 4.37, HV32 B1 5.32 -> 5.32, HV8 B8 6.51 -> 7.20, HV32 B8 12.75 -> 13.14;
@@ -262,8 +262,8 @@ def rebase_pass(choice: LaunchChoice) -> bool:
     return choice.maxnreg is not None
 
 
-def vector_tiles(choice: LaunchChoice, state_dtype: torch.dtype, key_dim: int) -> bool:
-    """Whether the register append loop reads the checkpoint as ``[Ko, Vc, Ki, kv]`` vector tiles (the kernel's
+def vector_tiles(choice: LaunchChoice, state_dtype: torch.dtype, key_dim: int) -> int:
+    """The kernel's constexpr ``vector_tiles``: 0, or 1 when the register append loop reads the checkpoint as ``[Ko, Vc, Ki, kv]`` vector tiles (the kernel's
     constexpr ``vector_tiles``; ``ops._vector_tiles_view``): a value row's dot products then sum in its thread and
     over ``Ko`` lanes, and the d ring loads put the value rows across the lanes, instead of 4-5 shuffle rounds per
     row. One-warp programs without tensor-core chunks, except fp32 checkpoints over value tiles below 64 rows; keys
@@ -274,14 +274,20 @@ def vector_tiles(choice: LaunchChoice, state_dtype: torch.dtype, key_dim: int) -
     168-register cap) 36.58 -> 34.75, HV32 B512 335.0 -> 330.1, HV4 B128 (64:16:1) 11.14 -> 11.05; slower: fp32
     pre-decayed HV12 B8 (16:16:1) 4.43 -> 4.82, SPEC HV32 B8 (32:16:1) 8.90 -> 9.57, and the 4-warp programs (HV8 B1
     16:16:4 2.34 -> 2.62 bf16, 3.57 -> 3.76 fp32; 32:32:4 4.04 -> 4.11; 64:32:4 5.12 -> 5.20).
-    ``FORCED_VECTOR_TILES`` overrides it (tests, benchmarks)."""
+    2 where a program has one chunk (value tile = value chunk): the pre-decayed prologue also reads the ring keys as
+    ``[Ko, Lb, Ki, kv]`` tiles for ``wk``, ``wq`` (sm_90, triton 3.6: the 16:16:1 bf16 program 1617 -> 1361 SASS
+    instructions on its every-step path; over 4 chunks (64:16:1) the chunk loop then spilled, 68 spill operations).
+    ``FORCED_VECTOR_TILES`` (0, 1 or 2) overrides it (tests, benchmarks); never on tensor-core chunks."""
     if key_dim & (key_dim - 1):
-        return False
+        return 0
     if FORCED_VECTOR_TILES is not None:
-        return FORCED_VECTOR_TILES and not choice.mma_chunks
+        return 0 if choice.mma_chunks else int(FORCED_VECTOR_TILES)
     if choice.mma_chunks or choice.config.config["num_warps"] != 1:
-        return False
-    return state_dtype != torch.float32 or choice.config.config["block_sizes"][0] >= 64
+        return 0
+    vt = choice.config.config["block_sizes"][0]
+    if state_dtype == torch.float32 and vt < 64:
+        return 0
+    return 2 if vt == choice.value_chunk else 1
 
 
 def tiny_batch(dims: DecodeDims) -> bool:

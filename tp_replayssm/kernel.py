@@ -167,6 +167,11 @@ def _row_dots(S0, a):  # noqa: ANN001, ANN202 - traced by Helion
     return torch.sum(S0 * a, dim=1)
 
 
+def _vector_tile(x, tiles):  # noqa: ANN001, ANN202 - traced by Helion
+    """``x [K]`` as ``[Ko, 1, Ki, kv]``, broadcastable against the ``[Ko, Vc, Ki, kv]`` tiles of ``tiles``'s split."""
+    return x.reshape(tiles.size(0), tiles.size(2), tiles.size(3))[:, None, :, :]
+
+
 def _ring_rows(rows, vector_tiles):  # noqa: ANN001, ANN202 - traced by Helion
     """A head's d-ring rows ``[Lb]`` (in the rows view) for an ``[Lb, Vc]`` access; with ``vector_tiles``, their
     alignment hidden from Triton beyond 4 elements (``tl.multiple_of(rows, 4)``). A ring tile loaded with it gets
@@ -229,6 +234,7 @@ def replayssm_decode_kernel(
     k_rows: torch.Tensor,  # k ring rows view [span, K] (per q/k head; per value head if predecayed_ring)
     g_rows: torch.Tensor,  # g ring rows view [span, K] (cumulative gates if predecayed_ring)
     state_vecs: torch.Tensor,  # the checkpoint rows as [Ko, span, Ki, kv], K = Ko*Ki*kv, kv = one 16-byte vector
+    k_vecs: torch.Tensor,  # the k ring rows, split as state_vecs
     out3: torch.Tensor,  # [B, HV, V]
     slots: torch.Tensor,  # [B] int32
     write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
@@ -249,7 +255,7 @@ def replayssm_decode_kernel(
     chunks_on_tensor_cores: hl.constexpr,
     predecayed_ring: hl.constexpr,  # 0: SPEC layout; pre-decayed 1: no rebase possible, 2/3: rebases (module docstring)
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (module docstring)
-    vector_tiles: hl.constexpr = False,  # the register append loop on state_vecs tiles (module docstring)
+    vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -317,7 +323,12 @@ def replayssm_decode_kernel(
                 g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             else:
                 g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
-            k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)], extra_mask=ring_mask[:, None])
+            if predecayed_ring and vector_tiles == 2:  # the pre-decayed keys as [Ko, Lb, Ki, kv] tiles (module docstring)
+                k_tiles = hl.load(k_vecs, [slice(None), s64 * kr_s + kh * kr_h + j * kr_l, slice(None), slice(None)],
+                                  extra_mask=ring_mask[None, :, None, None])
+            else:
+                k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
+                                 extra_mask=ring_mask[:, None])
             q, k = _qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
             x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
@@ -326,13 +337,21 @@ def replayssm_decode_kernel(
             keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
             if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
                 tot = torch.where(cur > 0, g_last, 0.0)
-                kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
                 g_cum = tot + g  # G_c
                 e_new = torch.exp(g_cum)  # the new state's decay; kt_j*e_new = k_j*exp(G_c - G_j) (see below)
                 ak = e_new * k  # S0 @ ak = the checkpoint's part of S' @ k
                 aq = e_new * q
-                wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
-                wq = torch.sum(kdec * aq[None, :], dim=1)
+                if vector_tiles == 2:  # wk, wq over [Ko, Lb, Ki, kv] tiles: in-thread sums and log2(Ko) shuffle rounds
+                    ak_loop, aq_loop = _vector_tile(ak, state_vecs), _vector_tile(aq, state_vecs)
+                    kt = k_tiles.to(torch.float32)
+                    if tiny_batch:  # the whole ring was loaded; the live-entry load returns 0 past the cursor
+                        kt = torch.where(valid[None, :, None, None], kt, 0.0)
+                    wk = _row_dots(kt, ak_loop)  # [Lb]
+                    wq = _row_dots(kt, aq_loop)
+                else:
+                    kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
+                    wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
+                    wq = torch.sum(kdec * aq[None, :], dim=1)
                 # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
                 # k*exp(-G_c) (module docstring); never under (L-1)*|lower_bound| <= the bound
                 if predecayed_ring >= 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
@@ -355,10 +374,9 @@ def replayssm_decode_kernel(
                 aq = et * xq
             kq = torch.sum(k * q, dim=0)
             ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
-            if vector_tiles:  # the append loop's [Ko, 1, Ki, kv]
-                ko, ki, kv = state_vecs.size(0), state_vecs.size(2), state_vecs.size(3)
-                ak_loop = ak.reshape(ko, ki, kv)[:, None, :, :]
-                aq_loop = aq.reshape(ko, ki, kv)[:, None, :, :]
+            if vector_tiles:  # the append loop's [Ko, 1, Ki, kv] (the pre-decayed prologue's key tiles made them above)
+                if not (predecayed_ring and vector_tiles == 2):
+                    ak_loop, aq_loop = _vector_tile(ak, state_vecs), _vector_tile(aq, state_vecs)
             else:
                 ak_loop, aq_loop = ak_row, aq_row
             if append:  # every step but the flush: outputs and the ring append of delta
@@ -461,6 +479,9 @@ def replayssm_decode_kernel(
                 else:
                     fS_next, fd_next = S_next, d_next
                 if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
+                    if predecayed_ring and vector_tiles == 2:  # the prologue read the keys as tiles: [Lb, K] here
+                        kdec = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
+                                       extra_mask=valid[:, None]).to(torch.float32)
                     if predecayed_ring:  # kt_j*exp(G_c)
                         k_flush = kdec * e_new[None, :]  # [Lb, K]
                     else:

@@ -43,16 +43,17 @@ def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return view
 
 
-def _vector_tiles_view(state_rows: torch.Tensor, K: int, element_size: int) -> torch.Tensor:
-    """The checkpoint rows view ``[span, K]`` as ``[Ko, span, Ki, kv]`` (same elements): ``K = Ko*Ki*kv`` split
-    into ``kv``-element 16-byte vectors, ``Ki = VECTORS_PER_LANE`` of them per thread. The kernel's append loop
-    loads its ``[Ko, Vc, Ki, kv]`` tiles from it, which Triton lays out with ``Ko`` lanes along K and the value rows
-    across the other lanes of the warp: a row's dot product is then summed in its thread and over ``Ko`` lanes
-    (log2(Ko) shuffles), not over the 16 or 32 lanes of a ``[Vc, K]`` tile."""
+def _vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Tensor:
+    """A rows view ``[span, K]`` (the checkpoint's, or the k ring's split like it) as ``[Ko, span, Ki, kv]``, the same
+    elements: ``K = Ko*Ki*kv`` split into ``kv``-element vectors (16 bytes of ``element_size``, the checkpoint's),
+    ``Ki = VECTORS_PER_LANE`` of them per thread. The kernel's append loop loads its ``[Ko, Vc, Ki, kv]`` tiles from
+    it (and the pre-decayed prologue its ``[Ko, Lb, Ki, kv]`` key tiles), which Triton lays out with ``Ko`` lanes
+    along K and the rows across the other lanes of the warp: a row's dot product is then summed in its thread and
+    over ``Ko`` lanes (log2(Ko) shuffles), not over the 16 or 32 lanes of a ``[rows, K]`` tile."""
     kv = math.gcd(K, 16 // element_size)
     ki = math.gcd(K // kv, VECTORS_PER_LANE)
     ko = K // kv // ki
-    return state_rows.as_strided((ko, state_rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), state_rows.storage_offset())
+    return rows.as_strided((ko, rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), rows.storage_offset())
 
 
 # 16-byte vectors of a checkpoint row per thread in the append loop's tiles (_vector_tiles_view). sm_90, triton 3.6,
@@ -224,9 +225,9 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 5, 9, 10, 11, 12) + (None,) * 25
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 5, 7, 9, 10, 11, 12) + (None,) * 25
 # positions of the runtime scalars in kernel_args' tuple
-KERNEL_SCALAR_ARGS = {16: "scale", 17: "lower_bound"}
+KERNEL_SCALAR_ARGS = {17: "scale", 18: "lower_bound"}
 
 
 def cursor_readers(dims: DecodeDims, config: object) -> int:
@@ -249,7 +250,7 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
                 predecayed: bool = False, rebase_pass: bool = False, advance_cursors: int = 0,
-                vector_tiles: bool = False) -> tuple:
+                vector_tiles: int = 0) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
     ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
@@ -271,9 +272,10 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     k_rows, kr = _rows_view(k_cache)
     g_rows, gr = _rows_view(g_cache)
     state_vecs = _vector_tiles_view(state_rows, K, initial_state.element_size())
+    k_vecs = _vector_tiles_view(k_rows, K, initial_state.element_size())  # the checkpoint's split (ak's tiles)
     ring_block = max(16, 1 << (L - 1).bit_length())
     lb = _lower_bound_arg(lower_bound)
-    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, state_vecs, out3,
+    return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, state_vecs, k_vecs, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
             predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors, vector_tiles)

@@ -144,7 +144,7 @@ def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, 
                         lower_bound: float | None = None, cursors_by_slot: bool = False,
                         tiny: bool = False, ring_dtype: torch.dtype = torch.bfloat16,
                         mma_chunks: bool = False, predecayed: bool = False, rebase_pass: bool = False,
-                        advance_cursors: int = 0, vector_tiles: bool = False) -> tuple:
+                        advance_cursors: int = 0, vector_tiles: int = 0) -> tuple:
     """The decode kernel's positional arguments (:func:`tp_replayssm.ops.kernel_args`) for random CPU
     activations and zero caches of ``batch`` slots, ``H = HV = heads``: what code generation and
     compile-only tools need (nothing runs). ``cursors_by_slot`` passes a per-slot cursor table

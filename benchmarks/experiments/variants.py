@@ -26,19 +26,6 @@ _FORWARD_SCAN = "        after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cum
 _REVERSE_SCAN = "        after = hl.cumsum(g_ring, 0, reverse=True) - g_ring  # sum of the valid entries after j"
 _KEYS = "                kdec, tot = _decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan"
 _SETTINGS = "_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)"
-_REGISTER_LOOP = (
-    "                else:  # row reductions in registers, the next chunk's loads in flight\n"
-    "                    for chunk in hl.grid(tv.begin, tv.end, value_chunk):\n"
-    "                        rows = chunk + hl.arange(value_chunk)\n"
-    "                        live = rows < tv.end\n"
-    "                        S0 = S_next.to(torch.float32)  # [Vc, K]\n"
-    "                        d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]\n"
-    "                        after = rows + value_chunk  # prefetch the next chunk (masked after the last)\n"
-    "                        S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],\n"
-    "                                         extra_mask=(after < tv.end)[:, None])\n"
-    "                        d_next = hl.load(d_rows, [dr_base + j * dr_l, after],\n"
-    "                                         extra_mask=valid[:, None] & (after < tv.end)[None, :])\n")
-
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -58,10 +45,10 @@ VARIANTS: dict[str, Variant] = {
         (_KEYS, "                kdec = g_ring * 0.0  # VARIANT: no ring prologue\n                tot = g * 0.0"),
     ), True),
     "no_chunk_ring": Variant("the per-chunk ring term dropped (the ring prologue still feeds the flush)", (
-        ("    spk = torch.sum(S0 * ak, dim=1) + torch.sum(d_ring * wk, dim=0)\n"
-         "    spq = torch.sum(S0 * aq, dim=1) + torch.sum(d_ring * wq, dim=0)",
-         "    spk = torch.sum(S0 * ak, dim=1)  # VARIANT: no ring term per chunk\n"
-         "    spq = torch.sum(S0 * aq, dim=1)"),
+        ("    spk = _row_dots(S0, ak) + torch.sum(d_ring * wk, dim=0)\n"
+         "    spq = _row_dots(S0, aq) + torch.sum(d_ring * wq, dim=0)",
+         "    spk = _row_dots(S0, ak)  # VARIANT: no ring term per chunk\n"
+         "    spq = _row_dots(S0, aq)"),
     ), True),
     "predecayed_keys_bound": Variant("the ring prologue of a ring that stores keys pre-decayed to the checkpoint "
                                      "(k_j * exp(-G_j)) and cumulative gates G_j: no scan and no exp per entry, only "
@@ -105,28 +92,6 @@ VARIANTS: dict[str, Variant] = {
          "            hl.inline_triton(\"tl.inline_asm_elementwise('prefetch.global.L2 [$1];\\\\n\\\\tmov.u32 $0, 0;', "
          "'=r,l', [{0} + {1}], dtype=tl.int32, is_pure=False, pack=1)\", args=[state_rows, pf_off], "
          "output_like=None)\n"),
-    ), False),
-    "streamed_chunks": Variant("the register chunk loop without the hand prefetch: its loads in the loop, so "
-                               "Triton's software pipeline (the config's range_num_stages) streams them through "
-                               "shared memory, as the tensor-core loop does; the first chunk's loads go to the flush "
-                               "branch on every path", (
-        ("    mma_chunks = chunks_on_tensor_cores and ring_on_tensor_cores and state_rows.dtype == torch.bfloat16\n",
-         "    mma_chunks = chunks_on_tensor_cores and ring_on_tensor_cores and state_rows.dtype == torch.bfloat16\n"
-         "    streamed = True  # VARIANT: streamed register chunks\n"),
-        ("            if not mma_chunks:\n                S_next = hl.load(",
-         "            if not streamed:\n                S_next = hl.load("),
-        ("            if not mma_chunks:\n                d_next = hl.load(",
-         "            if not streamed:\n                d_next = hl.load("),
-        ("                if mma_chunks:  # the first chunk's loads", "                if streamed:  # the first chunk's loads"),
-        (_REGISTER_LOOP,
-         "                else:  # VARIANT: streamed register chunks, loads in the loop\n"
-         "                    for chunk in hl.grid(tv.begin, tv.end, value_chunk):\n"
-         "                        rows = chunk + hl.arange(value_chunk)\n"
-         "                        live = rows < tv.end\n"
-         "                        S0 = hl.load(state_rows, [st_base + rows * st_v, slice(None)],\n"
-         "                                     extra_mask=live[:, None]).to(torch.float32)\n"
-         "                        d_ring = hl.load(d_rows, [dr_base + j * dr_l, rows],\n"
-         "                                         extra_mask=valid[:, None] & live[None, :]).to(torch.float32)\n"),
     ), False),
     "whole_ring": Variant("every path loads the whole ring (all L entries) without waiting for the cursor, as the "
                           "tiny-batch path does, and masks the dead entries after the load; the scan form stays the "
