@@ -89,6 +89,8 @@ def test_both_kernel_paths_match_reference_and_ignore_dead_entries(name: str, ti
     sc = PATH_CASES[name]
     if tiles == 2 and not sc.predecayed:
         pytest.skip("the SPEC layout's kernel reads no key tiles (2 runs as 1)")
+    if tiny and tiles == 1:  # (interpreter time) the tiny path only changes the key tiles' masking, tested with 2
+        pytest.skip("the tiny path's whole-ring loads meet the vector tiles only in the key tiles (tiles = 2)")
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
     worst = run_scenario(sc, ops.replayssm_decode_predecayed if sc.predecayed else ops.replayssm_decode)
@@ -499,6 +501,8 @@ def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: in
     sc = REBASE_PASS_CASES[name]
     if mma and torch.float32 in (sc.state_dtype, sc.cache_dtype):
         pytest.skip("the tensor-core chunks need a bf16 checkpoint and rings")
+    if tiles and name != "bf16-operands":  # (interpreter time) one case: the library gives key tiles bf16 states only
+        pytest.skip("the key tiles with the rebase pass: the bf16-operands case")
     chosen, modes = ops.select_config, []
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
         maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
