@@ -263,9 +263,9 @@ def rebase_pass(choice: LaunchChoice) -> bool:
 
 
 def vector_tiles(choice: LaunchChoice, state_dtype: torch.dtype, key_dim: int) -> int:
-    """The kernel's constexpr ``vector_tiles``: 0, or 1 when the register append loop reads the checkpoint as ``[Ko, Vc, Ki, kv]`` vector tiles (the kernel's
-    constexpr ``vector_tiles``; ``ops._vector_tiles_view``): a value row's dot products then sum in its thread and
-    over ``Ko`` lanes, and the d ring loads put the value rows across the lanes, instead of 4-5 shuffle rounds per
+    """The kernel's constexpr ``vector_tiles``: 0, or 1 when the register append loop reads the checkpoint as
+    ``[Ko, Vc, Ki, kv]`` vector tiles (``ops._vector_tiles_view``): a value row's dot products then sum in its thread
+    and over ``Ko`` lanes, and the d ring loads put the value rows across the lanes, instead of 4-5 shuffle rounds per
     row. One-warp programs without tensor-core chunks, except fp32 checkpoints over value tiles below 64 rows; keys
     of a power-of-two width only (Triton's tiles are powers of two: ``K // kv`` must split into them exactly).
     H200, twenty-first session, the op alone (tune_decode.py), us/step [Vc, K] -> vector tiles: bf16 pre-decayed

@@ -46,7 +46,7 @@ One launch per decode call, one program per (row ``b``, q/k head ``h``, value he
    the loop (after it, what they need stayed live across the loop and spilled). sm_90 (triton 3.6): the chunk loop of
    the HV4 B128 bf16 pre-decayed program is 510 SASS instructions instead of 764 (144 shuffles -> ~30), the fp32
    128:16:1 program's 450 instead of 661; on the H200 the op alone took 5-6% less at bf16 HV4 B128 / HV16 B32 and
-   3-5% at the large fp32 grids (twenty-first session). The flush branch keeps ``[Vc, K]`` tiles (its product is on
+   1.5-5% at the large fp32 grids (twenty-first session). The flush branch keeps ``[Vc, K]`` tiles (its product is on
    tensor cores); it loads its own first chunk. With ``vector_tiles = 2`` (one chunk per program) the pre-decayed
    prologue reads its ring keys the same way, through ``k_vecs``, as ``[Ko, Lb, Ki, kv]`` tiles for ``wk``, ``wq``
    (the flush branch then loads its ``[Lb, K]`` keys itself): the 16:16:1 program's every-step path 1617 -> 1361 SASS
@@ -327,7 +327,7 @@ def replayssm_decode_kernel(
                 g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             else:
                 g_ring = hl.load(g_rows, [s64 * gr_s + hv * gr_h + j * gr_l, slice(None)], extra_mask=ring_mask[:, None])
-            if predecayed_ring and vector_tiles == 2:  # the pre-decayed keys as [Ko, Lb, Ki, kv] tiles (module docstring)
+            if predecayed_ring and vector_tiles == 2:  # the pre-decayed keys as [Ko, Lb, Ki, kv] tiles (docstring)
                 k_tiles = hl.load(k_vecs, [slice(None), s64 * kr_s + kh * kr_h + j * kr_l, slice(None), slice(None)],
                                   extra_mask=ring_mask[None, :, None, None])
             else:
@@ -420,7 +420,8 @@ def replayssm_decode_kernel(
                         after = rows + value_chunk  # prefetch the next chunk (masked after the last)
                         if vector_tiles:
                             S_next = hl.load(state_vecs, [slice(None), st_base + after * st_v, slice(None),
-                                                          slice(None)], extra_mask=(after < tv.end)[None, :, None, None])
+                                                          slice(None)],
+                                             extra_mask=(after < tv.end)[None, :, None, None])
                         else:
                             S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
                                              extra_mask=(after < tv.end)[:, None])
@@ -505,7 +506,7 @@ def replayssm_decode_kernel(
                     fS_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
                                       extra_mask=(fafter < tv.end)[:, None])
                     fd_next = hl.load(d_rows, [_ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
-                                     extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
+                                      extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
                     fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
                     fdelta, fout = _chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
                     hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)

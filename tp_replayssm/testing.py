@@ -152,7 +152,8 @@ def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, 
     ``mma_chunks`` the kernel's ``chunks_on_tensor_cores``; ``predecayed`` and ``rebase_pass`` its
     ``predecayed_ring`` (:func:`tp_replayssm.ops.predecayed_mode`; with ``H = HV`` the k ring has the same shape
     in both layouts); ``advance_cursors`` the kernel's fused-advance constant (:func:`tp_replayssm.ops.cursor_readers`;
-    it needs ``cursors_by_slot``); ``vector_tiles`` the kernel's constexpr of that name (:func:`tp_replayssm.configs.vector_tiles`)."""
+    it needs ``cursors_by_slot``); ``vector_tiles`` the kernel's constexpr of that name
+    (:func:`tp_replayssm.configs.vector_tiles`)."""
     from . import ops
     from ._validation import validate_decode_inputs
 
