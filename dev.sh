@@ -13,15 +13,27 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 venv="${TP_REPLAYSSM_VENV:-$root/.venv}"
 stamp="$venv/.tp_replayssm-installed"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+need_mb=4096  # a full .venv is about 3.0 GB: torch 0.75, triton 1.0, triton-h200 0.65, the rest 0.6
+check_disk() {
+  local dir free_mb
+  dir="$(dirname "$venv")"
+  free_mb="$(df -Pm "$dir" | awk 'NR==2 {print $4}')"
+  if [ "$free_mb" -lt "$need_mb" ]; then
+    echo "dev.sh: setting up $venv needs about $need_mb MB free in $dir; df reports $free_mb MB" >&2
+    exit 1
+  fi
+}
+pip_install() { "$venv/bin/python" -m pip install -q --no-cache-dir "$@"; }
 if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "dev.sh: setting up $venv" >&2
+  check_disk
   python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install -q torch==2.13.0
-  "$venv/bin/python" -m pip install -q -e "$root[test]"
+  pip_install torch==2.13.0
+  pip_install -e "$root[test]"
   echo "$want" > "$stamp"
 fi
 if [ ! -d "$venv/triton-h200/triton" ]; then
-  "$venv/bin/python" -m pip install -q --no-deps --target "$venv/triton-h200" triton==3.6.0
+  pip_install --no-deps --target "$venv/triton-h200" triton==3.6.0
 fi
 export TP_REPLAYSSM_TRITON_H200="$venv/triton-h200"
 export PATH="$venv/bin:$PATH"
