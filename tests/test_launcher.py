@@ -56,6 +56,9 @@ def test_launcher_end_to_end(layout: str) -> None:
     assert run.returncode == 0, out[-6000:]
     assert "RESULT: OK" in out, out[-4000:]
     assert re.search(r"throughput [0-9.]+ tokens/s", out) and re.search(r"state traffic [0-9.e+-]+ GB/s", out)
+    # the CPU host times say what they include (the interpreter's kernel run, not the check alone)
+    assert re.search(r"first call of a layer \(collective check\) [0-9.]+ ms vs later calls \(no check\) [0-9.]+ ms\n"
+                     r" +\(on CPU both include the kernel's run in the Triton interpreter", out), out[-4000:]
     per_rank = re.findall(r"rank (\d) cpu: pool .* placement checks (\d+) .* sampled rows (\d+) max rel err "
                           r"([0-9.e+-]+), mismatches (\d+)", out)
     assert sorted(r[0] for r in per_rank) == ["0", "1"], out[-4000:]
