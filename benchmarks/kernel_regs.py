@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--predecayed", action="store_true", help="the pre-decayed ring layout's path (no rebase check)")
     ap.add_argument("--advance", type=int, default=0, metavar="N",
                     help="the fused cursor advance with N programs per row (0: none)")
+    ap.add_argument("--vector-tiles", choices=("auto", "0", "1", "2"), default="auto",
+                    help="the kernel's vector_tiles: the library's rule (auto) or forced (configs.FORCED_VECTOR_TILES)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
                     "entries, all 0)")
     args = ap.parse_args()
@@ -137,22 +139,28 @@ def main() -> None:
     if h200 and "triton" not in sys.modules:  # the device's compiler (dev.sh installs it beside the venv)
         sys.path.insert(0, h200)
     sys.path.insert(0, str(REPO))
+    import torch
+
     from tp_replayssm import configs
     config = configs.launch_config(args.vt, args.warps, chunk_stages=args.stages if args.mma_chunks else 0)
     if args.loops != 3:
         import helion
         config = helion.Config(**{**config.config, "range_num_stages": [0] * args.loops})
+    configs.FORCED_VECTOR_TILES = None if args.vector_tiles == "auto" else int(args.vector_tiles)
     kernel_fn = None
     if args.kernel:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from experiments.variants import load_kernel
 
         kernel_fn = load_kernel(args.kernel)
+    tiles = configs.vector_tiles(configs.LaunchChoice(config, args.vc, args.maxnreg, args.mma_chunks),
+                                 {"fp32": torch.float32, "bf16": torch.bfloat16}[args.state], 128)
     r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg,
                          mma_chunks=args.mma_chunks, predecayed=args.predecayed, advance_cursors=args.advance)
     import triton
     print(f"triton {triton.__version__}, vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} "
-          f"state={args.state} mma_chunks={args.mma_chunks} predecayed={args.predecayed} advance={args.advance}: "
+          f"state={args.state} mma_chunks={args.mma_chunks} predecayed={args.predecayed} advance={args.advance} "
+          f"vector_tiles={tiles}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 

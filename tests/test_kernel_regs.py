@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,18 @@ def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
     # 128 pairs in 16-row tiles: pre-decayed (bf16 and fused), and the SPEC layout's bf16 checkpoint
     assert [(r["vt"], r["vc"]) for r in (results[9], results[13], results[15])] == [(16, 16)] * 3
     assert results[14]["spill_loads_before_exit"] + results[14]["spill_stores_before_exit"] <= 24, results[14]
+
+
+@pytest.mark.timeout(120)
+def test_command_line_compiles_with_forced_vector_tiles() -> None:
+    """``kernel_regs.py --vector-tiles N`` compiles the kernel with its ``vector_tiles`` forced (RESULTS.md's key-tile
+    counts at 64:16:1, where the library's rule gives 1) and says which value it compiled."""
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
+    assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    cmd = [sys.executable, "benchmarks/kernel_regs.py", "--vt", "64", "--vc", "16", "--warps", "1", "--state", "bf16",
+           "--predecayed", "--vector-tiles", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "triton 3.6.0, vt=64 vc=16 warps=1" in proc.stdout and "vector_tiles=2:" in proc.stdout, proc.stdout
+    assert re.search(r": (\d+) registers/thread", proc.stdout).group(1) != "0", proc.stdout
