@@ -130,6 +130,29 @@ def test_both_chunk_paths_match_reference(mma: bool, tiles: int, monkeypatch: py
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
+def test_key_tiles_with_a_bf16_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library gives key tiles (``configs.vector_tiles`` 2) to one-warp pre-decayed programs of one chunk with a
+    bf16 checkpoint only, whose 16-byte vectors split K into ``kv = 8`` elements (``Ko = 1`` at this K = 32, 4 at
+    K = 128), not the fp32 cases' 4. Here: that split on the register chunks, bf16 rings, gates that rebase
+    (through the flush branch, ``ops.predecayed_mode`` 2, as uncapped programs do), against the reference and the
+    float64 recurrence; ring entries past each cursor are NaN."""
+    sc = dataclasses.replace(BF16_OPERANDS, L=8, steps=12, flush_prob=0.05, predecayed=True, A_log_shift=4.5)
+    chosen, seen = ops.select_config, []
+    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(mma_chunks=False))
+    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", 2)
+    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    kernel_args, at = ops.kernel_args, [params.index(n) for n in ("predecayed_ring", "vector_tiles", "k_vecs")]
+    monkeypatch.setattr(ops, "kernel_args", lambda *a: seen.append(
+        tuple(kernel_args(*a)[i] for i in at)) or kernel_args(*a))
+    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    assert {(mode, tiles) for mode, tiles, _ in seen} == {(2, 2)}, seen
+    assert {k_vecs.shape[3] for _, _, k_vecs in seen} == {8}  # the bf16 checkpoint's 16-byte vectors
+    assert worst.flushes > 0 and worst.appends > 0
+    _check_rebases(sc, worst.rebases)
+    assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
+    assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
+
+
 def test_tiny_batch_path_only_below_the_threshold() -> None:
     from tp_replayssm._validation import DecodeDims
 
