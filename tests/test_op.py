@@ -130,22 +130,30 @@ def test_both_chunk_paths_match_reference(mma: bool, tiles: int, monkeypatch: py
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
-def test_key_tiles_with_a_bf16_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The library gives key tiles (``configs.vector_tiles`` 2) to one-warp pre-decayed programs of one chunk with a
-    bf16 checkpoint only, whose 16-byte vectors split K into ``kv = 8`` elements (``Ko = 1`` at this K = 32, 4 at
-    K = 128), not the fp32 cases' 4. Here: that split on the register chunks, bf16 rings, gates that rebase
+@pytest.mark.parametrize("tiles", [1, 2], ids=["vector-tiles-two-chunks", "key-tiles-one-chunk"])
+def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's pre-decayed one-warp programs with a bf16 checkpoint take vector tiles over several chunks
+    (``configs.vector_tiles`` 1: HV4 B128's 64:16:1) and key tiles over one (2: 16:16:1); key tiles only ever meet a
+    bf16 checkpoint, whose 16-byte vectors split K into ``kv = 8`` elements (``Ko = 1`` at this K = 32, 4 at
+    K = 128), not the fp32 cases' 4. Here: both, on the register chunks with bf16 rings and gates that rebase
     (through the flush branch, ``ops.predecayed_mode`` 2, as uncapped programs do), against the reference and the
     float64 recurrence; ring entries past each cursor are NaN."""
     sc = dataclasses.replace(BF16_OPERANDS, L=8, steps=12, flush_prob=0.05, predecayed=True, A_log_shift=4.5)
     chosen, seen = ops.select_config, []
-    monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(mma_chunks=False))
-    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", 2)
+
+    def register_chunks(*args: object, **kwargs: object) -> configs.LaunchChoice:
+        choice = chosen(*args, **kwargs)
+        vt = choice.config.config["block_sizes"][0]  # one chunk for the key tiles, as the library pairs them
+        return choice._replace(mma_chunks=False, value_chunk=vt if tiles == 2 else vt // 2)
+
+    monkeypatch.setattr(ops, "select_config", register_chunks)
+    monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
     params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
     kernel_args, at = ops.kernel_args, [params.index(n) for n in ("predecayed_ring", "vector_tiles", "k_vecs")]
     monkeypatch.setattr(ops, "kernel_args", lambda *a: seen.append(
         tuple(kernel_args(*a)[i] for i in at)) or kernel_args(*a))
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
-    assert {(mode, tiles) for mode, tiles, _ in seen} == {(2, 2)}, seen
+    assert {(mode, forced) for mode, forced, _ in seen} == {(2, tiles)}, seen
     assert {k_vecs.shape[3] for _, _, k_vecs in seen} == {8}  # the bf16 checkpoint's 16-byte vectors
     assert worst.flushes > 0 and worst.appends > 0
     _check_rebases(sc, worst.rebases)
