@@ -130,6 +130,20 @@ def test_both_chunk_paths_match_reference(mma: bool, tiles: int, monkeypatch: py
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
+def _record_kernel_args(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple]:
+    """A list that gets, for every launch, the kernel arguments ``names`` as ``ops.kernel_args`` built them."""
+    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    at, built_by, seen = [params.index(n) for n in names], ops.kernel_args, []
+
+    def recording(*args: object) -> tuple:
+        built = built_by(*args)
+        seen.append(tuple(built[i] for i in at))
+        return built
+
+    monkeypatch.setattr(ops, "kernel_args", recording)
+    return seen
+
+
 @pytest.mark.parametrize("tiles", [1, 2], ids=["vector-tiles-two-chunks", "key-tiles-one-chunk"])
 def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library's pre-decayed one-warp programs with a bf16 checkpoint take vector tiles over several chunks
@@ -139,7 +153,7 @@ def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch:
     (through the flush branch, ``ops.predecayed_mode`` 2, as uncapped programs do), against the reference and the
     float64 recurrence; ring entries past each cursor are NaN."""
     sc = dataclasses.replace(BF16_OPERANDS, L=8, steps=12, flush_prob=0.05, predecayed=True, A_log_shift=4.5)
-    chosen, seen = ops.select_config, []
+    chosen = ops.select_config
 
     def register_chunks(*args: object, **kwargs: object) -> configs.LaunchChoice:
         choice = chosen(*args, **kwargs)
@@ -148,10 +162,7 @@ def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch:
 
     monkeypatch.setattr(ops, "select_config", register_chunks)
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
-    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-    kernel_args, at = ops.kernel_args, [params.index(n) for n in ("predecayed_ring", "vector_tiles", "k_vecs")]
-    monkeypatch.setattr(ops, "kernel_args", lambda *a: seen.append(
-        tuple(kernel_args(*a)[i] for i in at)) or kernel_args(*a))
+    seen = _record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles", "k_vecs")
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert {(mode, forced) for mode, forced, _ in seen} == {(2, tiles)}, seen
     assert {k_vecs.shape[3] for _, _, k_vecs in seen} == {8}  # the bf16 checkpoint's 16-byte vectors
@@ -535,14 +546,11 @@ def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: in
     if tiles and sc.state_dtype != torch.float32:  # (interpreter time) the combinations the library makes: its capped
         # register programs are fp32 checkpoints over 128-row tiles in 8-row chunks, which take vector tiles (1)
         pytest.skip("vector tiles with the rebase pass: the library's capped register programs have fp32 checkpoints")
-    chosen, modes = ops.select_config, []
+    chosen = ops.select_config
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
         maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
-    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-    kernel_args, at = ops.kernel_args, (params.index("predecayed_ring"), params.index("vector_tiles"))
-    monkeypatch.setattr(ops, "kernel_args", lambda *a: modes.append(
-        tuple(kernel_args(*a)[i] for i in at)) or kernel_args(*a))
+    modes = _record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles")
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert set(modes) == {(3, tiles)}, modes  # the rebase pass, with the tiles asked for
     assert worst.flushes > 0 and worst.appends > 0
