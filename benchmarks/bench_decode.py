@@ -149,6 +149,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     m.add_argument("--tiny-batch", choices=SWITCH_CHOICES, default="auto",
                    help="the kernel's tiny-batch path (whole-ring loads that do not wait for the cursor): the library's "
                         "choice (configs.tiny_batch), or forced on / off for every shape")
+    m.add_argument("--count-after-loads", choices=SWITCH_CHOICES, default="auto",
+                   help="with --fused-advance: where each program counts itself (configs.count_after_loads): the "
+                        "library's choice, after its ring and input loads (on), or as the atomic cursor read (off)")
     m.add_argument("--vector-tiles", choices=("auto", "0", "1", "2"), default="auto",
                    help="the kernel's vector tiles (configs.vector_tiles): the library's choice, or forced to 0 (none), "
                         "1 (the append loop's) or 2 (and the pre-decayed key tiles) on every register-chunk shape")
@@ -519,6 +522,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tp_replayssm import configs
 
     configs.FORCED_TINY_BATCH = switch(args.tiny_batch)
+    configs.FORCED_COUNT_AFTER_LOADS = switch(args.count_after_loads)
     configs.FORCED_VECTOR_TILES = None if args.vector_tiles == "auto" else int(args.vector_tiles)
     if args.config:
         configs.FORCED = args.config.launch_choice()

@@ -31,16 +31,18 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
                      lower_bound: bool = False, kernel_fn: object = None,
                      tiny: bool = False, maxnreg: int | None = None, with_sass: bool = False,
                      mma_chunks: bool = False, predecayed: bool = False,
-                     advance_cursors: int = 0) -> dict[str, object]:
+                     advance_cursors: int = 0, count_after_loads: bool = False,
+                     with_ptx: bool = False) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the kernel compiled for sm_90 with this launch choice
     (``config`` a ``helion.Config`` such as ``tp_replayssm.configs.launch_config(...)``; ``kernel_fn`` a
     candidate kernel function with the same signature, default the library's; ``tiny`` the kernel's
     tiny-batch path, as ``tp_replayssm.configs.tiny_batch`` picks it; ``maxnreg`` the launch choice's
     register cap; ``mma_chunks`` its tensor-core chunk path; ``predecayed`` the pre-decayed ring layout's path;
-    ``advance_cursors`` the fused cursor advance's count of readers per row, 0 for none). Register spills show up
+    ``advance_cursors`` the fused cursor advance's count of readers per row, 0 for none; ``count_after_loads`` where
+    it counts, ``tp_replayssm.configs.count_after_loads``). Register spills show up
     as ``stack`` bytes per thread (ptxas's stack frame; the H200's Triton reports the same kernels' ``n_spills`` > 0
     exactly when it is nonzero). ``with_sass`` adds the disassembly as ``"sass"`` (to see where spill loads and
-    stores sit)."""
+    stores sit), ``with_ptx`` the PTX as ``"ptx"``."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
@@ -59,7 +61,7 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
                                rebase_pass=configs.rebase_pass(configs.LaunchChoice(config, vc, maxnreg, mma_chunks)),
                                vector_tiles=configs.vector_tiles(configs.LaunchChoice(config, vc, maxnreg, mma_chunks), sdt, 128),
                                cursors_by_slot=advance_cursors > 0,
-                               advance_cursors=advance_cursors)
+                               advance_cursors=advance_cursors, count_after_loads=count_after_loads)
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or kernel.replayssm_decode_kernel
     settings = getattr(sys.modules.get(kernel_fn.__module__), "_SETTINGS", kernel._SETTINGS)  # a variant's own
@@ -112,6 +114,8 @@ def kernel_resources(config: object, vc: int, state: str = "fp32", heads: int = 
     res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
     if with_sass:
         res["sass"] = sass
+    if with_ptx:
+        res["ptx"] = compiled.asm["ptx"]
     return res
 
 
@@ -130,6 +134,8 @@ def main() -> None:
     ap.add_argument("--predecayed", action="store_true", help="the pre-decayed ring layout's path (no rebase check)")
     ap.add_argument("--advance", type=int, default=0, metavar="N",
                     help="the fused cursor advance with N programs per row (0: none)")
+    ap.add_argument("--count-after-loads", action="store_true",
+                    help="with --advance: the count after the loads (configs.count_after_loads), not the atomic read")
     ap.add_argument("--vector-tiles", choices=("auto", "0", "1", "2"), default="auto",
                     help="the kernel's vector_tiles: the library's rule (auto) or forced (configs.FORCED_VECTOR_TILES)")
     ap.add_argument("--loops", type=int, default=3, help="device loops of the --kernel candidate (range_num_stages "
@@ -156,11 +162,12 @@ def main() -> None:
     tiles = configs.vector_tiles(configs.LaunchChoice(config, args.vc, args.maxnreg, args.mma_chunks),
                                  {"fp32": torch.float32, "bf16": torch.bfloat16}[args.state], 128)
     r = kernel_resources(config, args.vc, args.state, kernel_fn=kernel_fn, maxnreg=args.maxnreg,
-                         mma_chunks=args.mma_chunks, predecayed=args.predecayed, advance_cursors=args.advance)
+                         mma_chunks=args.mma_chunks, predecayed=args.predecayed, advance_cursors=args.advance,
+                         count_after_loads=args.count_after_loads)
     import triton
     print(f"triton {triton.__version__}, vt={args.vt} vc={args.vc} warps={args.warps} maxnreg={args.maxnreg} "
           f"state={args.state} mma_chunks={args.mma_chunks} predecayed={args.predecayed} advance={args.advance} "
-          f"vector_tiles={tiles}: "
+          f"count_after_loads={args.count_after_loads} vector_tiles={tiles}: "
           f"{r['regs']} registers/thread, {r['shared']} B shared, {r['stack']} B stack (spills), {r['local']} B local")
 
 

@@ -1,15 +1,18 @@
 """A multi-step decode scenario: one op (kernel or reference) against the reference and the float64
 plain recurrence, with NaN-poisoned outputs, NaN-filled unread ring entries, 1e30 sentinels in every
-unused slot and random per-row forced flushes. Used by the CPU (interpreter) and GPU op tests."""
+unused slot and random per-row forced flushes. Used by the CPU (interpreter) and GPU op tests; also
+:func:`record_kernel_args`, which records what reached the kernel."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
+import pytest
 import torch
 
-from tp_replayssm import reference
+from tp_replayssm import kernel, ops, reference
 from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
 
 SENTINEL = 1e30
@@ -156,3 +159,17 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
             cursor[~pad])
     worst.state_vs_plain64 = rel_err(replayed, oracle.state[act])
     return worst
+
+
+def record_kernel_args(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple]:
+    """A list that gets, for every launch, the kernel arguments ``names`` as ``ops.kernel_args`` built them."""
+    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
+    at, built_by, seen = [params.index(n) for n in names], ops.kernel_args, []
+
+    def recording(*args: object) -> tuple:
+        built = built_by(*args)
+        seen.append(tuple(built[i] for i in at))
+        return built
+
+    monkeypatch.setattr(ops, "kernel_args", recording)
+    return seen

@@ -193,9 +193,9 @@ def test_grid_flags_and_dry_run(capsys):
 
 
 def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]``, ``--tiny-batch`` and ``--vector-tiles`` (they set
-    ``configs.FORCED`` / ``FORCED_TINY_BATCH`` / ``FORCED_VECTOR_TILES`` on the GPU), checked when the arguments are
-    parsed."""
+    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]``, ``--tiny-batch``, ``--vector-tiles`` and
+    ``--count-after-loads`` (they set ``configs.FORCED`` / ``FORCED_TINY_BATCH`` / ``FORCED_VECTOR_TILES`` /
+    ``FORCED_COUNT_AFTER_LOADS`` on the GPU), checked when the arguments are parsed."""
     bd = _bench_decode()
     from launch_args import LaunchSpec
 
@@ -218,6 +218,10 @@ def test_forced_launch_choice_and_tiny_path_flags(capsys):
     assert bd.parse_args([]).vector_tiles == "auto" and bd.parse_args(["--vector-tiles", "2"]).vector_tiles == "2"
     with pytest.raises(SystemExit):
         bd.parse_args(["--vector-tiles", "3"])
+    assert bd.parse_args([]).count_after_loads == "auto"
+    assert bd.parse_args(["--count-after-loads", "on"]).count_after_loads == "on"
+    with pytest.raises(SystemExit):
+        bd.parse_args(["--count-after-loads", "1"])
 
 
 def test_no_cuda_exits_with_a_message(capsys, monkeypatch):

@@ -1,8 +1,10 @@
 """The cursor advance fused into the step's last decode (``decode_with_cursor_table(..., advance=True)``, the pool's
 ``decode(..., advance=True)``) against the decode followed by the separate advance.
 
-In the fused launch every program reads its row's cursor with an atomic add of ``CURSOR_READER`` (the count of
-readers rides above the cursor's 16 bits), and the row's last reader stores the moved cursor: the same cursor for
+In the fused launch every program counts itself with an atomic add of ``CURSOR_READER`` on its row's cursor (the
+count of readers rides above the cursor's 16 bits), and the row's last reader stores the moved cursor. The count is
+the cursor read itself, or, with ``count_after_loads`` (``configs.count_after_loads``: small batches), comes after a
+relaxed read and the ring loads; both give the same cursor to
 every program of the row, the same outputs and caches bit for bit, the same cursors afterwards (padding rows leave
 the scratch entry alone). On CPU the kernel runs in the Triton interpreter (one program at a time), so the
 counting is checked there and the ordering on the GPU (``gpu`` marker: 4 to 128 programs per row; the pool's
@@ -21,6 +23,7 @@ from tp_replayssm import configs, cursor_kernel, kernel, ops
 from tp_replayssm._validation import DecodeDims
 from tp_replayssm.configs import launch_config, select_config
 from tp_replayssm.testing import random_decode_inputs, random_head_params, random_ring_caches
+from _decode_scenario import record_kernel_args
 
 ON_GPU = torch.cuda.is_available()
 
@@ -76,16 +79,20 @@ def _assert_same(separate: tuple, fused: tuple, S: int, L: int) -> None:
     assert len(set(scratch)) == 1, scratch  # the fused launch leaves the padding rows' scratch entry alone
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["count-is-read", "count-after-loads"])
 @pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
 @pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)],
                          ids=["spec-layout", "predecayed-rebasing"])
 @pytest.mark.parametrize("V", [16, 64], ids=["one-value-tile", "two-value-tiles"])
 def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: bool, A_log_shift: float, tiny: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+                                                           late: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """GQA (H=1, HV=3), L=3 over 4 steps: every cursor phase, a flush at L-1, forced flushes, a padding row; with
     V=64 two value tiles per head, so each row has six readers (``ops.cursor_readers``). Both kernel paths
-    (``configs.tiny_batch``): the whole ring loaded without waiting for the atomic cursor read, or the live entries."""
+    (``configs.tiny_batch``): the whole ring loaded without waiting for the cursor read, or the live entries; and
+    both places of the count (``configs.count_after_loads``), checked to reach the kernel."""
     monkeypatch.setattr(configs, "FORCED_TINY_BATCH", tiny)
+    monkeypatch.setattr(configs, "FORCED_COUNT_AFTER_LOADS", late)
+    seen = record_kernel_args(monkeypatch, "advance_cursors", "count_after_loads")
     S, L = 5, 3
     dims = DecodeDims(3, 1, 3, 16, V, L, S)
     config = select_config(dims, torch.float32, torch.device("cpu")).config  # value tile min(32, V)
@@ -93,6 +100,8 @@ def test_fused_advance_matches_decode_then_advance_bitwise(V: int, predecayed: b
     separate, fused = _run_steps(B=3, H=1, HV=3, K=16, V=V, L=L, S=S, steps=4, predecayed=predecayed,
                                  A_log_shift=A_log_shift)
     _assert_same(separate, fused, S, L)
+    readers = 3 if V == 16 else 6
+    assert set(seen) == {(0, False), (readers, late)}, seen  # the separate run's launches, then the fused run's
     flushed = [t for t in range(1, 4) for s in range(S) if separate[2][t][s] == 0 and separate[2][t - 1][s] > 0]
     assert flushed  # some slot went back to 0 along the way
 
@@ -110,7 +119,22 @@ def test_kernel_count_literal_is_cursor_reader() -> None:
     """The kernel spells the count unit as a literal (a module constant would become a kernel argument)."""
     src = inspect.getsource(kernel.replayssm_decode_kernel)
     assert kernel.CURSOR_READER == 65536
-    assert "hl.atomic_add(write_pos, [s64], 65536)" in src and "counted & 65535" in src
+    assert src.count("hl.atomic_add(write_pos, [s64], 65536)") == 2 and "cur = counted & 65535" in src
+    assert 'hl.inline_triton("tl.load({0} + {1}, volatile=True)", [write_pos, s64], slot) & 65535' in src
+    assert "if counted >= (advance_cursors - 1) * 65536:" in src  # the atomic read's store, under an `if`
+    assert "extra_mask=counted >= (advance_cursors - 1) * 65536)" in src  # the late count's, masked (configs)
+
+
+def test_count_after_loads_for_small_batches_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``configs.count_after_loads``: off for now (``COUNT_AFTER_LOADS_ON``); its rule, at most 8 rows and 64 (row,
+    value head) pairs, where the twenty-third session measured it faster (B = 1; B = 8 up to HV8), the atomic read
+    elsewhere (HV12 / HV32 B8 and B >= 32 were slower, HV16 B8 1.3% faster)."""
+    def late(B: int, HV: int) -> bool:
+        return configs.count_after_loads(DecodeDims(B, HV, HV, 128, 128, 16, 1024))
+    assert not configs.COUNT_AFTER_LOADS_ON and not late(1, 32) and not late(8, 4)
+    monkeypatch.setattr(configs, "COUNT_AFTER_LOADS_ON", True)
+    assert late(1, 32) and late(1, 64) and late(8, 8) and late(8, 4) and late(2, 32)
+    assert not late(8, 16) and not late(8, 12) and not late(9, 4) and not late(32, 2) and not late(1, 65)
 
 
 def test_fused_advance_needs_the_cursor_table() -> None:
@@ -153,5 +177,24 @@ def test_fused_advance_on_gpu_matches_decode_then_advance(shape: str, predecayed
     S, L = B + 3, 4
     separate, fused = _run_steps(B=B, H=HV, HV=HV, K=128, V=128, L=L, S=S, steps=2 * L + 1, predecayed=predecayed,
                                  state_dtype=state_dtype, seed=B + HV, device=torch.device("cuda", 0))
+    torch.cuda.synchronize()
+    _assert_same(separate, fused, S, L)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("predecayed", [False, True], ids=["spec-layout", "predecayed-softplus"])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_fused_advance_on_gpu_counting_after_the_loads(shape: str, predecayed: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with the count after the loads forced (``configs.count_after_loads``; the relaxed cursor read
+    first) from 4 readers per row (HV4 B512) to 256 (HV32 B1) and 16384 programs (HV32 B512): bit-identical to the
+    decode followed by the separate advance. Its ``if``-store form failed this for the pre-decayed layout (the
+    twenty-third session: the branch parted products from their sums); the masked store has not run here yet."""
+    monkeypatch.setattr(configs, "FORCED_COUNT_AFTER_LOADS", True)
+    B, HV, state_dtype = GPU_SHAPES[shape]
+    S, L = B + 3, 4
+    separate, fused = _run_steps(B=B, H=HV, HV=HV, K=128, V=128, L=L, S=S, steps=2 * L + 1, predecayed=predecayed,
+                                 state_dtype=state_dtype, seed=B + HV + 1, device=torch.device("cuda", 0))
     torch.cuda.synchronize()
     _assert_same(separate, fused, S, L)

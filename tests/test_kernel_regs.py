@@ -135,3 +135,44 @@ def test_command_line_compiles_with_forced_vector_tiles() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "triton 3.6.0, vt=64 vc=16 warps=1" in proc.stdout and "vector_tiles=2:" in proc.stdout, proc.stdout
     assert re.search(r": (\d+) registers/thread", proc.stdout).group(1) != "0", proc.stdout
+
+
+FLOAT_OPS_SCRIPT = """
+import json, re, torch
+from tp_replayssm._validation import DecodeDims
+from tp_replayssm.configs import select_config
+from tp_replayssm.ops import cursor_readers
+from benchmarks.kernel_regs import kernel_resources
+dims = DecodeDims(8, 16, 16, 128, 128, 16, 8)
+config, chunk, maxnreg, mma = select_config(dims, torch.bfloat16, torch.device("cuda", 0), predecayed=True)
+readers = cursor_readers(dims, config)
+ops = {}
+for name, advance, late in (("decode", 0, False), ("count-is-read", readers, False), ("count-after-loads", readers, True)):
+    ptx = kernel_resources(config, chunk, "bf16", maxnreg=maxnreg, predecayed=True, advance_cursors=advance,
+                           count_after_loads=late, with_ptx=True)["ptx"]
+    ops[name] = re.findall(r"^\\s*((?:fma|mul|add|sub|neg|ex2|lg2|rcp|rsqrt|sqrt|div|max|min)\\.[\\w.]*f32)\\b", ptx, re.M)
+print("RESULT " + json.dumps(dict(vt=config.config["block_sizes"][0], vc=chunk, readers=readers, ops=ops)))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_fused_advance_keeps_the_decodes_float_operations() -> None:
+    """The fused advance adds integer work only: its kernel (pre-decayed, softplus gate, HV16 B8 bf16: 16:16:1, 128
+    readers per row) has the same sequence of f32 operations in its sm_90 PTX as the decode without it, with either
+    place of the count (``configs.count_after_loads``); the pool's tests rely on bit-identical results. The late
+    count's store under an ``if`` broke this (4 products no longer fused into their sums, twenty-third session:
+    the GPU tests of the pre-decayed layout failed)."""
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
+    assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    env["PYTHONPATH"] = os.pathsep.join([h200, str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", FLOAT_OPS_SCRIPT], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=280)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
+    found = json.loads(line[len("RESULT "):])
+    assert (found["vt"], found["vc"], found["readers"]) == (16, 16, 128), found
+    ops = found["ops"]
+    assert len(ops["decode"]) > 1000 and any(op.startswith("fma") for op in ops["decode"]), len(ops["decode"])
+    for name in ("count-is-read", "count-after-loads"):
+        assert ops[name] == ops["decode"], (name, len(ops[name]), len(ops["decode"]))

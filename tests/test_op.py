@@ -4,14 +4,13 @@ float64 plain recurrence, over several ring cycles; plus the input validation of
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 
 import pytest
 import torch
 
 from tp_replayssm import _validation, configs, kernel, ops, reference
-from _decode_scenario import OUT_TOL, Scenario, run_scenario
+from _decode_scenario import OUT_TOL, Scenario, record_kernel_args, run_scenario
 
 CASES = {
     # GQA r=2, bf16 activations and rings, fp32 checkpoint, l2norm, softplus gate
@@ -130,20 +129,6 @@ def test_both_chunk_paths_match_reference(mma: bool, tiles: int, monkeypatch: py
     assert worst.out_vs_plain64 <= 3e-2 and worst.state_vs_plain64 <= 3e-2, worst
 
 
-def _record_kernel_args(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple]:
-    """A list that gets, for every launch, the kernel arguments ``names`` as ``ops.kernel_args`` built them."""
-    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-    at, built_by, seen = [params.index(n) for n in names], ops.kernel_args, []
-
-    def recording(*args: object) -> tuple:
-        built = built_by(*args)
-        seen.append(tuple(built[i] for i in at))
-        return built
-
-    monkeypatch.setattr(ops, "kernel_args", recording)
-    return seen
-
-
 @pytest.mark.parametrize("tiles", [1, 2], ids=["vector-tiles-two-chunks", "key-tiles-one-chunk"])
 def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The library's pre-decayed one-warp programs with a bf16 checkpoint take vector tiles over several chunks
@@ -162,7 +147,7 @@ def test_predecayed_vector_tiles_with_a_bf16_checkpoint(tiles: int, monkeypatch:
 
     monkeypatch.setattr(ops, "select_config", register_chunks)
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
-    seen = _record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles", "k_vecs")
+    seen = record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles", "k_vecs")
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert {(mode, forced) for mode, forced, _ in seen} == {(2, tiles)}, seen
     assert {k_vecs.shape[3] for _, _, k_vecs in seen} == {8}  # the bf16 checkpoint's 16-byte vectors
@@ -550,7 +535,7 @@ def test_rebase_pass_of_register_capped_programs(name: str, mma: bool, tiles: in
     monkeypatch.setattr(ops, "select_config", lambda *a, **k: chosen(*a, **k)._replace(
         maxnreg=168, mma_chunks=mma, value_chunk=16 if mma else 8))
     monkeypatch.setattr(configs, "FORCED_VECTOR_TILES", tiles)
-    modes = _record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles")
+    modes = record_kernel_args(monkeypatch, "predecayed_ring", "vector_tiles")
     worst = run_scenario(sc, ops.replayssm_decode_predecayed)
     assert set(modes) == {(3, tiles)}, modes  # the rebase pass, with the tiles asked for
     assert worst.flushes > 0 and worst.appends > 0

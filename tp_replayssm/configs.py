@@ -52,6 +52,10 @@ FORCED_TINY_BATCH: bool | None = None
 FORCED_REBASE_PASS: bool | None = None
 # Set by tests and benchmarks to force the kernel's vector tiles (vector_tiles: 0, 1 or 2); None in normal use.
 FORCED_VECTOR_TILES: int | None = None
+# Set by tests and benchmarks to force where the fused advance counts (count_after_loads); None in normal use.
+FORCED_COUNT_AFTER_LOADS: bool | None = None
+# count_after_loads's rule is off until its masked-store form passes the GPU tests (see there).
+COUNT_AFTER_LOADS_ON = False
 
 # The tiny-batch path below this many (row, value head) pairs. H200, 2026-11-29 (fourth session), us/step:
 # whole-ring loads HV8 B1 4.54 -> 4.37, HV32 B1 5.32 -> 5.32, HV8 B8 6.51 -> 7.20, HV32 B8 12.75 -> 13.14;
@@ -300,3 +304,26 @@ def tiny_batch(dims: DecodeDims) -> bool:
     if FORCED_TINY_BATCH is not None:
         return FORCED_TINY_BATCH
     return dims.batch * dims.num_v_heads < TINY_BATCH_BELOW
+
+
+def count_after_loads(dims: DecodeDims) -> bool:
+    """Where a fused cursor advance (``ops.cursor_readers`` programs per row) takes each program's count: after its
+    ring and input loads are out, the cursor read first with a relaxed load (True), or as the read itself, an
+    atomic whose result the ring loads wait for (False; kernel module docstring). The rule: at most 8 rows and 64
+    (row, value head) pairs, and only while ``COUNT_AFTER_LOADS_ON`` (off: below). ``FORCED_COUNT_AFTER_LOADS``
+    overrides both (tests, benchmarks).
+    H200, twenty-third session, the fused step (bench_decode.py --ring-layout predecayed --fused-advance, bf16
+    checkpoint), us/step atomic read -> count after the loads:
+    - faster: B = 1 HV32 3.32 -> 3.15, HV12 3.35 -> 3.30, HV8 3.31 -> 3.20; B = 8 HV8 3.77 -> 3.41, HV4 3.51 -> 3.15,
+      HV16 4.47 -> 4.41;
+    - slower: B = 8 HV32 6.36 -> 6.42, HV12 4.32 -> 4.35; B = 32 HV32 14.63 -> 14.75, HV16 8.82 -> 8.85, HV8 6.31 ->
+      6.42; B = 128 HV16 32.10 -> 32.37, HV4 8.76 -> 8.84; B = 512 HV4 32.93 -> 33.24;
+    - even: HV12 B32 8.48 -> 8.47, B128 23.08 -> 23.01.
+    That form stored the moved cursor under an ``if``. The branch parted the gate math's products from their sums
+    (no FMA), so the pre-decayed layout's fused launch was no longer bit-identical to decode + advance: its GPU
+    tests failed, though the results passed the benchmark's reference check. The masked store that replaced it
+    compiles to the same f32 operations as the decode without the advance (sm_90 PTX, six launch choices;
+    ``tests/test_kernel_regs.py``) but has not run on a GPU yet."""
+    if FORCED_COUNT_AFTER_LOADS is not None:
+        return FORCED_COUNT_AFTER_LOADS
+    return COUNT_AFTER_LOADS_ON and dims.batch <= 8 and dims.batch * dims.num_v_heads <= 64

@@ -100,6 +100,13 @@ scratch entry alone). Between launches the count bits are 0, so the other layers
 At B <= 8 the fused step is 0.2-0.7 us longer than the op alone on per-row cursors (the table's cursor is read
 after the slot, with an atomic; the two were not timed apart) and ~0.4 us shorter than decode + advance at B = 1;
 at B = 512 it is 3.8% faster to 1.2% slower (benchmarks/RESULTS.md, seventeenth session).
+With ``count_after_loads`` (:func:`tp_replayssm.configs.count_after_loads`; off for now) a program first
+reads its cursor with a relaxed load (``ld.volatile``; the count bits masked off) and takes its count only once
+its ring and input loads are out. The read comes before the same program's count of the same word, so it sees
+this step's cursor, and the row's last count, which stores, still comes after every read. What leaves the ring
+loads' chain is the count's latency: up to 256 programs count on one word (HV32 B1). The last count's store is
+masked, not under an ``if``: a branch there parts the gate math's products from their sums (no FMA), and the
+pre-decayed layout's fused results then differ in the last bits from decode + advance (twenty-third session).
 
 Addressing. Slots come from ``ssm_state_indices`` at run time, so caches are indexed by element
 offsets: the wrapper passes each cache as an overlapping "row" view ``[span, last]`` with strides
@@ -260,6 +267,7 @@ def replayssm_decode_kernel(
     predecayed_ring: hl.constexpr,  # 0: SPEC layout; pre-decayed 1: no rebase possible, 2/3: rebases (module docstring)
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (module docstring)
     vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
+    count_after_loads: hl.constexpr = False,  # the fused advance's count after the loads (module docstring)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (module docstring)."""
     B = q3.size(0)
@@ -301,7 +309,9 @@ def replayssm_decode_kernel(
                                  extra_mask=live[None, :, None, None])
             elif not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-            if advance_cursors:  # the fused advance (module docstring): the read is an atomic count of the readers
+            if advance_cursors and count_after_loads:  # the fused advance, read first and counted below
+                cur = hl.inline_triton("tl.load({0} + {1}, volatile=True)", [write_pos, s64], slot) & 65535
+            elif advance_cursors:  # the fused advance (module docstring): the read is an atomic count of the readers
                 # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument). The flush
                 # flag is read here too: `forced` below keeps its place in the code of the kernels without the flag
                 counted = hl.atomic_add(write_pos, [s64], 65536)  # cursor | (readers before this one) << 16
@@ -338,6 +348,11 @@ def replayssm_decode_kernel(
             g = _gate_math(x, A_log[hv], lower_bound, use_lower_bound)
             beta = torch.sigmoid(b2[row, hv].to(torch.float32))
             eg = torch.exp(g)
+            if advance_cursors and count_after_loads:  # the count, with the ring and input loads out (docstring)
+                counted = hl.atomic_add(write_pos, [s64], 65536)  # (the read above came before it: same word)
+                # a masked store, not an `if`: a branch here parts the gate math's products from their sums (no FMA)
+                hl.store(write_pos, [s64], torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1),
+                         extra_mask=counted >= (advance_cursors - 1) * 65536)
             keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
             if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
                 tot = torch.where(cur > 0, g_last, 0.0)

@@ -19,7 +19,7 @@ from . import direct_launch
 from . import kernel as _kernel
 from ._interpreter import install_libdevice_shim
 from ._validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims, resolve_scale, validate_decode_inputs_once
-from .configs import rebase_pass, select_config, tiny_batch, vector_tiles
+from .configs import count_after_loads, rebase_pass, select_config, tiny_batch, vector_tiles
 
 
 def _rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -200,6 +200,7 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
     rebase = rebase_pass(choice)
     tiles = vector_tiles(choice, initial_state.dtype, dims.key_dim)
     readers = cursor_readers(dims, config) if advance else 0
+    late_count = bool(advance) and count_after_loads(dims)
     if advance and not cursors_by_slot:
         raise ValueError("replayssm_decode: advance=True needs the pool's cursor table [S + 1] (cursors_by_slot=True); "
                          f"got per-row cursors `write_pos` {tuple(write_pos.shape)}")
@@ -209,9 +210,10 @@ def launch(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.
         _kernel.decode_kernel_for(config), config,
         lambda: kernel_args(dims, mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache,
                             out, slots, write_pos, force_flush, use_l2norm, lower_bound, value_chunk,
-                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles),
+                            cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles, late_count),
         inputs, mixed_qkv.device,
-        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles),
+        (value_chunk, use_l2norm, lower_bound, cursors_by_slot, tiny, mma_chunks, predecayed, rebase, readers, tiles,
+         late_count),
         KERNEL_ARG_INPUTS,
         {"scale": scale, "lower_bound": _lower_bound_arg(lower_bound)}, KERNEL_SCALAR_ARGS,
         None if maxnreg is None else {"maxnreg": maxnreg})
@@ -225,7 +227,7 @@ def _lower_bound_arg(lower_bound: float | None) -> float:
 DIRECT_PLANS = direct_launch.PlanCache("replayssm_decode")
 # For each position of kernel_args' tuple: the index, in launch()'s ``inputs``, of the tensor it is a
 # view of (q3/k3/v3 of mixed_qkv, a3 of a, ..., the cache row views of their caches); None = scalar
-KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 5, 7, 9, 10, 11, 12) + (None,) * 25
+KERNEL_ARG_INPUTS: tuple[int | None, ...] = (0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 5, 7, 9, 10, 11, 12) + (None,) * 26
 # positions of the runtime scalars in kernel_args' tuple
 KERNEL_SCALAR_ARGS = {17: "scale", 18: "lower_bound"}
 
@@ -250,13 +252,14 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
                 use_l2norm: bool, lower_bound: float | None, value_chunk: int,
                 cursors_by_slot: bool = False, tiny: bool = False, mma_chunks: bool = False,
                 predecayed: bool = False, rebase_pass: bool = False, advance_cursors: int = 0,
-                vector_tiles: int = 0) -> tuple:
+                vector_tiles: int = 0, count_after_loads: bool = False) -> tuple:
     """The positional arguments of :func:`tp_replayssm.kernel.replayssm_decode_kernel`: views only,
     no copies (also used by ``benchmarks/kernel_regs.py`` to compile the kernel without a GPU).
     ``mma_chunks`` is the kernel's ``chunks_on_tensor_cores`` (:class:`tp_replayssm.configs.LaunchChoice`);
     ``predecayed`` (:func:`replayssm_decode_predecayed`) and ``rebase_pass`` (:func:`configs.rebase_pass`) set its
     ``predecayed_ring`` (:func:`predecayed_mode`); ``advance_cursors`` is :func:`cursor_readers` or 0;
-    ``vector_tiles`` is :func:`configs.vector_tiles`."""
+    ``vector_tiles`` is :func:`configs.vector_tiles`, ``count_after_loads`` :func:`configs.count_after_loads` (with
+    ``advance_cursors`` only)."""
     B, H, HV, K, V, L = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim, dims.ring_length
     # one as_strided per view (a slice plus an unflatten costs twice the host time; eager decode pays it
     # on every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out [B, HV, V]
@@ -278,7 +281,7 @@ def kernel_args(dims: DecodeDims, mixed_qkv: torch.Tensor, a: torch.Tensor, b: t
     return (q3, k3, v3, a3, b, A_log, dt2, state_rows, d_rows, k_rows, g_rows, state_vecs, k_vecs, out3,
             slots, write_pos, force_flush, scale, lb, *st, *dr, *kr, *gr,
             L, ring_block, value_chunk, use_l2norm, lower_bound is not None, cursors_by_slot, tiny, mma_chunks,
-            predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors, vector_tiles)
+            predecayed_mode(predecayed, lower_bound, L, rebase_pass), advance_cursors, vector_tiles, count_after_loads)
 
 
 def predecayed_mode(predecayed: bool, lower_bound: float | None, ring_length: int,

@@ -144,7 +144,7 @@ def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, 
                         lower_bound: float | None = None, cursors_by_slot: bool = False,
                         tiny: bool = False, ring_dtype: torch.dtype = torch.bfloat16,
                         mma_chunks: bool = False, predecayed: bool = False, rebase_pass: bool = False,
-                        advance_cursors: int = 0, vector_tiles: int = 0) -> tuple:
+                        advance_cursors: int = 0, vector_tiles: int = 0, count_after_loads: bool = False) -> tuple:
     """The decode kernel's positional arguments (:func:`tp_replayssm.ops.kernel_args`) for random CPU
     activations and zero caches of ``batch`` slots, ``H = HV = heads``: what code generation and
     compile-only tools need (nothing runs). ``cursors_by_slot`` passes a per-slot cursor table
@@ -153,7 +153,8 @@ def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, 
     ``predecayed_ring`` (:func:`tp_replayssm.ops.predecayed_mode`; with ``H = HV`` the k ring has the same shape
     in both layouts); ``advance_cursors`` the kernel's fused-advance constant (:func:`tp_replayssm.ops.cursor_readers`;
     it needs ``cursors_by_slot``); ``vector_tiles`` the kernel's constexpr of that name
-    (:func:`tp_replayssm.configs.vector_tiles`)."""
+    (:func:`tp_replayssm.configs.vector_tiles`), ``count_after_loads`` likewise
+    (:func:`tp_replayssm.configs.count_after_loads`)."""
     from . import ops
     from ._validation import validate_decode_inputs
 
@@ -170,4 +171,4 @@ def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, 
                                   cursors, zeros, lower_bound, cursors_by_slot=cursors_by_slot, predecayed=predecayed)
     return ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, cursors,
                            zeros, True, lower_bound, value_chunk, cursors_by_slot, tiny, mma_chunks, predecayed,
-                           rebase_pass, advance_cursors, vector_tiles)
+                           rebase_pass, advance_cursors, vector_tiles, count_after_loads)
