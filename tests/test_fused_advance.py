@@ -3,7 +3,7 @@
 
 In the fused launch every program counts itself with an atomic add of ``CURSOR_READER`` on its row's cursor (the
 count of readers rides above the cursor's 16 bits), and the row's last reader stores the moved cursor. The count is
-the cursor read itself, or, with ``count_after_loads`` (``configs.count_after_loads``: small batches), comes after a
+the cursor read itself, or, with ``count_after_loads`` (``configs.count_after_loads``, off unless forced), comes after a
 relaxed read and the ring loads; both give the same cursor to
 every program of the row, the same outputs and caches bit for bit, the same cursors afterwards (padding rows leave
 the scratch entry alone). On CPU the kernel runs in the Triton interpreter (one program at a time), so the

@@ -73,17 +73,23 @@ print("RESULT " + json.dumps(dict(triton=triton.__version__, rows=out)))
 """
 
 
-@pytest.mark.timeout(300)
-def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
+def _run_with_h200_triton(script: str) -> dict:
+    """Run ``script`` in a fresh interpreter with the H200's triton 3.6.0 first on the path (no interpreter mode);
+    returns the JSON object it printed after ``RESULT ``."""
     h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
     assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     env["PYTHONPATH"] = os.pathsep.join([h200, str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=280)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
-    found = json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.timeout(300)
+def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
+    found = _run_with_h200_triton(SCRIPT)
     assert found["triton"] == "3.6.0", found["triton"]
     results = found["rows"]
     assert len(results) == 16
@@ -162,15 +168,7 @@ def test_fused_advance_keeps_the_decodes_float_operations() -> None:
     place of the count (``configs.count_after_loads``); the pool's tests rely on bit-identical results. The late
     count's store under an ``if`` broke this (4 products no longer fused into their sums, twenty-third session:
     the GPU tests of the pre-decayed layout failed)."""
-    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
-    assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
-    env["PYTHONPATH"] = os.pathsep.join([h200, str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", FLOAT_OPS_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=280)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
-    found = json.loads(line[len("RESULT "):])
+    found = _run_with_h200_triton(FLOAT_OPS_SCRIPT)
     assert (found["vt"], found["vc"], found["readers"]) == (16, 16, 128), found
     ops = found["ops"]
     assert len(ops["decode"]) > 1000 and any(op.startswith("fma") for op in ops["decode"]), len(ops["decode"])

@@ -351,7 +351,7 @@ def replayssm_decode_kernel(
             if advance_cursors and count_after_loads:  # the count, with the ring and input loads out (docstring)
                 counted = hl.atomic_add(write_pos, [s64], 65536)  # (the read above came before it: same word)
                 # a masked store, not an `if`: a branch here parts the gate math's products from their sums (no FMA)
-                hl.store(write_pos, [s64], torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1),
+                hl.store(write_pos, [s64], torch.where((cur >= ring_length - 1) | (forced != 0), 0, cur + 1),
                          extra_mask=counted >= (advance_cursors - 1) * 65536)
             keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
             if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
