@@ -275,3 +275,42 @@ def test_pool_overhead_fused_step_matches_the_pool_step() -> None:
         assert torch.equal(getattr(su.pool, name), getattr(twin.pool, name)), name
     for (_, _, _, out), (_, _, _, tout) in zip(su.inputs, twin.inputs):
         assert torch.equal(out, tout)
+
+
+def test_sass_hashes_names_one_shape_per_compiled_program() -> None:
+    """benchmarks/sass_hashes.py: every kind of program the library launches has one entry (no compile here)."""
+    import sass_hashes
+
+    from tp_replayssm._validation import DecodeDims
+    from tp_replayssm.configs import LaunchChoice, select_config, vector_tiles
+
+    kinds = sass_hashes.launch_kinds()
+    assert len(kinds) >= 100  # launch_kinds raises if two kinds share a name
+    assert {kw["predecayed"] for kw in kinds.values()} == {False, True}
+    assert {(kw["tiny"], kw["mma_chunks"], kw["lower_bound"], kw["advance_cursors"] > 0) for kw in kinds.values()} \
+        == {(t, m, lb, f) for t in (False, True) for m in (False, True) for lb in (False, True) for f in (False, True)
+            if not (t and m)}  # tiny batches never take the tensor-core chunks
+    # every value of the vector-tile switch, and the one cell under issue 5's target (HV4 B128 bf16 pre-decayed,
+    # 64:16:1 vector tiles) as the program of some shape
+    tiles = {vector_tiles(LaunchChoice(kw["config"], kw["vc"], kw["maxnreg"], kw["mma_chunks"]),
+                          torch.float32 if kw["state"] == "fp32" else torch.bfloat16, 128) for kw in kinds.values()}
+    assert tiles == {0, 1, 2}
+    dims = DecodeDims(128, 4, 4, 128, 128, 16, 128)
+    choice = select_config(dims, torch.bfloat16, torch.device("cuda", 0), predecayed=True)
+    assert any(str(kw["config"]) == str(choice.config) and kw["vc"] == choice.value_chunk and kw["predecayed"]
+               and kw["state"] == "bf16" and not kw["lower_bound"] and not kw["advance_cursors"]
+               for kw in kinds.values())
+
+
+def test_sass_hashes_ignore_addresses_and_encodings_not_instructions() -> None:
+    import sass_hashes
+
+    moved = SASS.replace("/*00", "/*01").replace("0x0000000402027981", "0x1111111111111111")
+    assert sass_hashes.sass_digest(moved) == sass_hashes.sass_digest(SASS)
+    digest, count = sass_hashes.sass_digest(SASS)
+    assert count == 10 and len(digest) == 16
+    assert sass_hashes.sass_digest(SASS.replace("FFMA R1, R2, R3, R4", "FMUL R1, R2, R3"))[0] != digest
+    base = {"a": {"hash": "1"}, "b": {"hash": "2"}, "c": {"hash": "3"}}
+    assert sass_hashes.compare({"a": {"hash": "1"}, "b": {"hash": "9"}, "d": {"hash": "4"}}, base) == [
+        "b: 2 -> 9", "c: 3 -> missing", "d: missing -> 4"]
+    assert sass_hashes.compare(base, base) == []

@@ -1,0 +1,132 @@
+"""Hash the sm_90 SASS of every kind of program the library launches, to show a kernel edit changed no code.
+
+A source edit that should not change the compiled kernel (a refactor, a comment, a helper) is proven so by
+compiling the committed kernel and the edited one here (no GPU; the H200's triton 3.6.0) and comparing their SASS
+instruction text per launch choice: equal text means the GPU timings and GPU test results carry over. The choices
+are those ``configs.select_config`` makes over K = V = 128, L = 16, B 1-512, HV 4-32, both checkpoint dtypes, both
+ring layouts, with and without a lower bound and the fused cursor advance, one per distinct set of compiled
+switches (launch config, value chunk, register cap, tensor-core chunks, tiny batch, gate, vector tiles, pre-decayed
+mode, fused advance, late count): 108 programs, 3-25 s each on the 2-core CPU machine (15 min in all).
+
+    git worktree add /tmp/base HEAD      # the committed kernel, beside the edited working tree
+    TP_REPLAYSSM_VENV=$PWD/.venv /tmp/base/dev.sh python benchmarks/sass_hashes.py --out /tmp/base.json
+    ./dev.sh python benchmarks/sass_hashes.py --out /tmp/new.json --compare /tmp/base.json
+
+Each copy of this script compiles the ``tp_replayssm`` of its own checkout (it puts that checkout first on the path),
+so both sides share one environment. With ``--compare`` it exits 1 when any program's SASS differs or is missing from
+either file; ``-k TEXT`` keeps the programs whose names contain TEXT, ``--list`` prints the names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BATCHES = (1, 8, 32, 128, 512)
+HEADS = (4, 8, 12, 16, 32)
+
+
+def launch_kinds() -> dict[str, dict]:
+    """One shape per distinct compiled program: ``name -> kernel_resources keyword arguments`` (plus ``config``,
+    ``vc``, ``state``), the first shape met in the sweep order standing for its kind."""
+    import torch
+
+    from tp_replayssm.configs import LaunchChoice, count_after_loads, rebase_pass, select_config, tiny_batch, vector_tiles
+    from tp_replayssm.ops import cursor_readers, predecayed_mode
+    from tp_replayssm._validation import DecodeDims
+
+    kinds: dict[tuple, tuple[str, dict]] = {}
+    for pd in (False, True):
+        for state in (torch.float32, torch.bfloat16):
+            for lb in (False, True):
+                for fused in (False, True):
+                    for batch in BATCHES:
+                        for hv in HEADS:
+                            dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
+                            choice = select_config(dims, state, torch.device("cuda", 0), predecayed=pd)
+                            config, vc, maxnreg, mma = choice
+                            readers = cursor_readers(dims, config) if fused else 0
+                            late = fused and count_after_loads(dims)
+                            mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
+                            kind = (str(config), vc, maxnreg, mma, str(state), tiny_batch(dims), lb, mode,
+                                    vector_tiles(LaunchChoice(config, vc, maxnreg, mma), state, 128), fused, late)
+                            if kind in kinds:
+                                continue
+                            sname = "fp32" if state == torch.float32 else "bf16"
+                            name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={mode}"
+                                    f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' late' if late else ''}")
+                            kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb,
+                                                      tiny=tiny_batch(dims), maxnreg=maxnreg, mma_chunks=mma,
+                                                      predecayed=pd, advance_cursors=readers, count_after_loads=late))
+    named = dict(kinds.values())
+    if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
+        raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")
+    return named
+
+
+def sass_digest(sass: str) -> tuple[str, int]:
+    """``(sha256 prefix, instruction count)`` of a ``cuobjdump --dump-sass`` text: instructions only, without their
+    addresses and encodings, so two compiles of the same code hash alike."""
+    from sass_loops import parse
+
+    text = "\n".join(t for _, t in parse(sass))
+    return hashlib.sha256(text.encode()).hexdigest()[:16], text.count("\n") + 1 if text else 0
+
+
+def compare(new: dict[str, dict], base: dict[str, dict]) -> list[str]:
+    """The programs whose SASS differs between two result files (or that only one of them has)."""
+    return [f"{name}: {base.get(name, {}).get('hash', 'missing')} -> {new.get(name, {}).get('hash', 'missing')}"
+            for name in sorted(set(new) | set(base)) if new.get(name, {}).get("hash") != base.get(name, {}).get("hash")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="JSON file for name -> {hash, instructions, regs, stack}")
+    ap.add_argument("--compare", default=None, help="a result file of the other kernel: exit 1 on any difference")
+    ap.add_argument("-k", default=None, help="only the programs whose name contains this text")
+    ap.add_argument("--list", action="store_true", help="print the programs' names and compile nothing")
+    args = ap.parse_args(argv)
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200")
+    if h200:  # the H200's compiler first (dev.sh installs it beside the environment), as kernel_regs.main does
+        sys.path.insert(0, h200)
+    sys.path.insert(0, str(REPO))
+    from kernel_regs import kernel_resources
+
+    kinds = {n: kw for n, kw in launch_kinds().items() if args.k is None or args.k in n}
+    if args.list:
+        for name in kinds:
+            print(name)
+        return 0
+    import triton
+
+    results: dict[str, dict] = {}
+    for i, (name, kw) in enumerate(kinds.items()):
+        start = time.time()
+        kw = dict(kw)
+        res = kernel_resources(kw.pop("config"), kw.pop("vc"), kw.pop("state"), with_sass=True, **kw)
+        digest, count = sass_digest(res.pop("sass"))
+        results[name] = dict(hash=digest, instructions=count, regs=res["regs"], stack=res["stack"])
+        print(f"[{i + 1}/{len(kinds)}] {name}: {digest} ({count} instructions, {res['regs']} regs, "
+              f"{res['stack']} B stack; {time.time() - start:.0f} s)", flush=True)
+    Path(args.out).write_text(json.dumps(dict(triton=triton.__version__, programs=results), indent=1))
+    if args.compare is None:
+        return 0
+    base = json.loads(Path(args.compare).read_text())["programs"]
+    if args.k is not None:
+        base = {n: r for n, r in base.items() if args.k in n}
+    diffs = compare(results, base)
+    print(f"{len(results) - len(diffs)} of {len(set(results) | set(base))} programs compile to the same SASS")
+    for line in diffs:
+        print("DIFFERS " + line)
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
