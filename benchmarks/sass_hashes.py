@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -43,28 +43,24 @@ def launch_kinds() -> dict[str, dict]:
     from tp_replayssm._validation import DecodeDims
 
     kinds: dict[tuple, tuple[str, dict]] = {}
-    for pd in (False, True):
-        for state in (torch.float32, torch.bfloat16):
-            for lb in (False, True):
-                for fused in (False, True):
-                    for batch in BATCHES:
-                        for hv in HEADS:
-                            dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
-                            choice = select_config(dims, state, torch.device("cuda", 0), predecayed=pd)
-                            config, vc, maxnreg, mma = choice
-                            readers = cursor_readers(dims, config) if fused else 0
-                            late = fused and count_after_loads(dims)
-                            mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
-                            kind = (str(config), vc, maxnreg, mma, str(state), tiny_batch(dims), lb, mode,
-                                    vector_tiles(LaunchChoice(config, vc, maxnreg, mma), state, 128), fused, late)
-                            if kind in kinds:
-                                continue
-                            sname = "fp32" if state == torch.float32 else "bf16"
-                            name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={mode}"
-                                    f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' late' if late else ''}")
-                            kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb,
-                                                      tiny=tiny_batch(dims), maxnreg=maxnreg, mma_chunks=mma,
-                                                      predecayed=pd, advance_cursors=readers, count_after_loads=late))
+    for pd, state, lb, fused, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
+                                                             (False, True), (False, True), BATCHES, HEADS):
+        dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
+        choice = select_config(dims, state, torch.device("cuda", 0), predecayed=pd)
+        config, vc, maxnreg, mma = choice
+        readers = cursor_readers(dims, config) if fused else 0
+        late = fused and count_after_loads(dims)
+        mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
+        kind = (str(config), vc, maxnreg, mma, str(state), tiny_batch(dims), lb, mode,
+                vector_tiles(LaunchChoice(config, vc, maxnreg, mma), state, 128), fused, late)
+        if kind in kinds:
+            continue
+        sname = "fp32" if state == torch.float32 else "bf16"
+        name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={mode}"
+                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' late' if late else ''}")
+        kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb, tiny=tiny_batch(dims),
+                                  maxnreg=maxnreg, mma_chunks=mma, predecayed=pd, advance_cursors=readers,
+                                  count_after_loads=late))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
         raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")
@@ -76,8 +72,8 @@ def sass_digest(sass: str) -> tuple[str, int]:
     addresses and encodings, so two compiles of the same code hash alike."""
     from sass_loops import parse
 
-    text = "\n".join(t for _, t in parse(sass))
-    return hashlib.sha256(text.encode()).hexdigest()[:16], text.count("\n") + 1 if text else 0
+    instructions = [t for _, t in parse(sass)]
+    return hashlib.sha256("\n".join(instructions).encode()).hexdigest()[:16], len(instructions)
 
 
 def compare(new: dict[str, dict], base: dict[str, dict]) -> list[str]:
@@ -122,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.k is not None:
         base = {n: r for n, r in base.items() if args.k in n}
     diffs = compare(results, base)
-    print(f"{len(results) - len(diffs)} of {len(set(results) | set(base))} programs compile to the same SASS")
+    total = len(set(results) | set(base))
+    print(f"{total - len(diffs)} of {total} programs compile to the same SASS")
     for line in diffs:
         print("DIFFERS " + line)
     return 1 if diffs else 0
