@@ -38,7 +38,7 @@ def launch_kinds() -> dict[str, dict]:
     ``vc``, ``state``), the first shape met in the sweep order standing for its kind."""
     import torch
 
-    from tp_replayssm.configs import LaunchChoice, count_after_loads, rebase_pass, select_config, tiny_batch, vector_tiles
+    from tp_replayssm.configs import count_after_loads, rebase_pass, select_config, tiny_batch
     from tp_replayssm.ops import cursor_readers, predecayed_mode
     from tp_replayssm._validation import DecodeDims
 
@@ -50,17 +50,17 @@ def launch_kinds() -> dict[str, dict]:
         config, vc, maxnreg, mma = choice
         readers = cursor_readers(dims, config) if fused else 0
         late = fused and count_after_loads(dims)
-        mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
-        kind = (str(config), vc, maxnreg, mma, str(state), tiny_batch(dims), lb, mode,
-                vector_tiles(LaunchChoice(config, vc, maxnreg, mma), state, 128), fused, late)
+        sname, tiny = ("fp32" if state == torch.float32 else "bf16"), tiny_batch(dims)
+        # kernel_resources' arguments, the reader count as a switch: they decide the compiled code (the vector tiles
+        # and the pre-decayed mode are functions of them)
+        kind = (str(config), vc, maxnreg, mma, sname, tiny, lb, pd, fused, late)
         if kind in kinds:
             continue
-        sname = "fp32" if state == torch.float32 else "bf16"
+        mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
         name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={mode}"
                 f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' late' if late else ''}")
-        kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb, tiny=tiny_batch(dims),
-                                  maxnreg=maxnreg, mma_chunks=mma, predecayed=pd, advance_cursors=readers,
-                                  count_after_loads=late))
+        kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb, tiny=tiny, maxnreg=maxnreg,
+                                  mma_chunks=mma, predecayed=pd, advance_cursors=readers, count_after_loads=late))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
         raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")
