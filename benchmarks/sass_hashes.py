@@ -3,10 +3,10 @@
 A source edit that should not change the compiled kernel (a refactor, a comment, a helper) is proven so by
 compiling the committed kernel and the edited one here (no GPU; the H200's triton 3.6.0) and comparing their SASS
 instruction text per launch choice: equal text means the GPU timings and GPU test results carry over. The choices
-are those ``configs.select_config`` makes over K = V = 128, L = 16, B 1-512, HV 4-32, both checkpoint dtypes, both
+are the launch plans ``tp_replayssm.kernels.plan.plan_decode`` makes over K = V = 128, L = 16, B 1-512, HV 4-32, both checkpoint dtypes, both
 ring layouts, with and without a lower bound and the fused cursor advance, one per distinct set of compiled
 switches (launch config, value chunk, register cap, tensor-core chunks, tiny batch, gate, vector tiles, pre-decayed
-mode, fused advance, late count): 108 programs, 3-25 s each on the 2-core CPU machine (15 min in all).
+mode, fused advance): 108 programs, 3-25 s each on the 2-core CPU machine (15 min in all).
 
     git worktree add /tmp/base HEAD      # the committed kernel, beside the edited working tree
     TP_REPLAYSSM_VENV=$PWD/.venv /tmp/base/dev.sh python benchmarks/sass_hashes.py --out /tmp/base.json
@@ -34,33 +34,27 @@ HEADS = (4, 8, 12, 16, 32)
 
 
 def launch_kinds() -> dict[str, dict]:
-    """One shape per distinct compiled program: ``name -> kernel_resources keyword arguments`` (plus ``config``,
-    ``vc``, ``state``), the first shape met in the sweep order standing for its kind."""
+    """One shape per distinct compiled program: ``name -> {"plan", "state"}``, the first shape met in the sweep
+    order standing for its kind."""
     import torch
 
-    from tp_replayssm.configs import count_after_loads, rebase_pass, select_config, tiny_batch
-    from tp_replayssm.ops import cursor_readers, predecayed_mode
-    from tp_replayssm._validation import DecodeDims
+    from plan_args import build_plan
 
     kinds: dict[tuple, tuple[str, dict]] = {}
     for pd, state, lb, fused, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
                                                              (False, True), (False, True), BATCHES, HEADS):
-        dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
-        choice = select_config(dims, state, torch.device("cuda", 0), predecayed=pd)
-        config, vc, maxnreg, mma = choice
-        readers = cursor_readers(dims, config) if fused else 0
-        late = fused and count_after_loads(dims)
-        sname, tiny = ("fp32" if state == torch.float32 else "bf16"), tiny_batch(dims)
-        # kernel_resources' arguments, the reader count as a switch: they decide the compiled code (the vector tiles
-        # and the pre-decayed mode are functions of them)
-        kind = (str(config), vc, maxnreg, mma, sname, tiny, lb, pd, fused, late)
+        sname = "fp32" if state == torch.float32 else "bf16"
+        plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
+                          lower_bound=-5.0 if lb else None, advance=fused)
+        # the plan's switches that decide the compiled code (vector tiles and the pre-decayed mode follow from them)
+        kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
+                pd, fused)
         if kind in kinds:
             continue
-        mode = predecayed_mode(pd, -5.0 if lb else None, 16, rebase_pass(choice))
-        name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={mode}"
-                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' late' if late else ''}")
-        kinds[kind] = (name, dict(config=config, vc=vc, state=sname, lower_bound=lb, tiny=tiny, maxnreg=maxnreg,
-                                  mma_chunks=mma, predecayed=pd, advance_cursors=readers, count_after_loads=late))
+        readers = plan.advance_readers
+        name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
+                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}")
+        kinds[kind] = (name, dict(plan=plan, state=sname))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
         raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")
@@ -93,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if h200:  # the H200's compiler first (dev.sh installs it beside the environment), as kernel_regs.main does
         sys.path.insert(0, h200)
     sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from kernel_regs import kernel_resources
 
     kinds = {n: kw for n, kw in launch_kinds().items() if args.k is None or args.k in n}
@@ -106,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, kw) in enumerate(kinds.items()):
         start = time.time()
         kw = dict(kw)
-        res = kernel_resources(kw.pop("config"), kw.pop("vc"), kw.pop("state"), with_sass=True, **kw)
+        res = kernel_resources(kw["plan"], kw["state"], with_sass=True)
         digest, count = sass_digest(res.pop("sass"))
         results[name] = dict(hash=digest, instructions=count, regs=res["regs"], stack=res["stack"])
         print(f"[{i + 1}/{len(kinds)}] {name}: {digest} ({count} instructions, {res['regs']} regs, "

@@ -1,18 +1,20 @@
-"""tp_replayssm: tensor-parallel KDA ReplaySSM decode.
+"""tp_replayssm: tensor-parallel KDA ReplaySSM decode state pools with Helion kernels.
 
-Public names (SPEC): :class:`KDAHeads`, :class:`ReplaySSMStatePool`, :class:`PlacementError`,
-:class:`PoolExhaustedError`; the op is :func:`tp_replayssm.ops.replayssm_decode` and its PyTorch
-reference :func:`tp_replayssm.reference.replayssm_decode`. Sharding helpers: :func:`shard_heads`
-(the rank's :class:`HeadShard`, with slicers for global tensors) and :func:`concat_outputs`;
-memory planning: :func:`slots_that_fit`.
+Public names: :class:`KDAHeads` (a layer's global heads), :class:`ReplaySSMStatePool` (one rank's pool),
+:class:`PlacementError`, :class:`SlotError`, :class:`PoolExhaustedError`; the sharding helpers
+:func:`shard_heads` (the rank's :class:`HeadShard`, with slicers for global tensors) and :func:`concat_outputs`;
+memory planning with :func:`slots_that_fit` and :class:`PoolMemory`. The op is
+:func:`tp_replayssm.ops.replayssm_decode` and its PyTorch reference :func:`tp_replayssm.reference.replayssm_decode`.
+The package's folders: ``kernels/`` (the Helion kernels and their launch plan), ``pool/`` (the state pool), ``tp/``
+(sharding, placement, process groups). The contract: docs/contract.md.
 """
 
 from __future__ import annotations
 
-from .heads import HeadShard, KDAHeads, concat_outputs, shard_heads
-from .memory import PoolMemory, slots_that_fit
-from .placement import PlacementError
-from .pool import PoolExhaustedError, ReplaySSMStatePool
+from .errors import PlacementError, PoolExhaustedError, SlotError
+from .pool.memory import PoolMemory, slots_that_fit
+from .pool.pool import ReplaySSMStatePool
+from .tp.heads import HeadShard, KDAHeads, concat_outputs, shard_heads
 
 __all__ = [
     "HeadShard",
@@ -21,6 +23,7 @@ __all__ = [
     "PoolExhaustedError",
     "PoolMemory",
     "ReplaySSMStatePool",
+    "SlotError",
     "concat_outputs",
     "shard_heads",
     "slots_that_fit",

@@ -1,10 +1,13 @@
-"""Readable PyTorch reference of the KDA ReplaySSM decode (SPEC section 1).
+"""Readable PyTorch reference of the KDA ReplaySSM decode, and the library's path for CPU tensors.
 
-Same signature and in-place behaviour as the Helion op in :mod:`tp_replayssm.ops`, vectorized over
-rows and heads (no Python loop per row or head), runnable on any device. All math is fp32.
+:func:`replayssm_decode` has the op's signature and in-place behaviour (:func:`tp_replayssm.ops.replayssm_decode`),
+vectorized over rows and heads (no Python loop per row or head), runnable on any device; all math is fp32. The tests
+hold the Helion kernel to it, and both to an independent float64 recurrence (:class:`tp_replayssm.testing.PlainKDA`).
+:func:`decode_rows` is the same math for the pool's calls (cursors read by slot, the fused advance), which the
+library runs on CPU tensors (:mod:`tp_replayssm.kernels.backend`). The contract: docs/contract.md.
 
-Shapes (local to one shard): ``B`` rows, ``H`` q/k heads, ``HV = r*H`` value heads, head dims ``K``
-and ``V``, ring length ``L``, ``S`` slots. See the table in README.md.
+Shapes (local to one shard): ``B`` rows, ``H`` q/k heads, ``HV = r*H`` value heads, head dims ``K`` and ``V``, ring
+length ``L``, ``S`` slots.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validation import PREDECAYED_MAX_LOG_DECAY, resolve_scale, validate_decode_inputs
+from .validation import PREDECAYED_MAX_LOG_DECAY, DecodeCall, DecodeDims, resolve_scale, validate_decode
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,7 +66,7 @@ def last_cumulative_gate(G: torch.Tensor, cursor: torch.Tensor) -> torch.Tensor:
 
 
 def predecay_rings(k: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC-layout rings of entries all live, ``k [n, HV, L, K]`` (already per value head) and log-gates
+    """sglang-layout rings of entries all live, ``k [n, HV, L, K]`` (already per value head) and log-gates
     ``g [n, HV, L, K]``, in the pre-decayed layout: ``(k_j * exp(-G_j), G_j = g_0 + ... + g_j)``, fp32."""
     G = g.float().cumsum(2)
     return k.float() * torch.exp(-G), G
@@ -76,7 +79,7 @@ def replay_predecayed_ring(
     G: torch.Tensor,
     cursor: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`replay_ring` for the pre-decayed layout (:func:`replayssm_decode_predecayed`): ``kt [n, HV, L, K]``
+    """:func:`replay_ring` for the pre-decayed layout (``ring_layout="predecayed"``): ``kt [n, HV, L, K]``
     holds ``k_j * exp(-G_j)``, ``G [n, HV, L, K]`` the cumulative gates ``G_j = g_0 + ... + g_j``. With
     ``tot = G_{c-1}`` (0 for an empty ring): ``Sc = (S0 + sum_{j<c} d_j (outer) kt_j) * exp(tot)``."""
     L = d.shape[2]
@@ -104,55 +107,39 @@ def replayssm_decode(
     force_flush: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     lower_bound: float | None = None,
+    *,
+    ring_layout: str = "sglang",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode token per row; writes ``out [B, 1, HV, V]`` and the rows' slots in place.
+    """One decode token per row; writes ``out [B, 1, HV, V]`` and the rows' slots in place. Returns
+    ``(out, initial_state)``.
 
-    Returns ``(out, initial_state)``. Padding rows (slot < 0) get zeros and touch no state.
-    A row whose cursor is ``L-1`` or whose ``force_flush`` is nonzero writes its new state into the
-    checkpoint; any other row appends ``(delta, k, g)`` at ring position ``write_pos``.
-    """
-    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, False)
-
-
-def replayssm_decode_predecayed(
-    mixed_qkv: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    scale: float | None,
-    initial_state: torch.Tensor,
-    d_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    g_cache: torch.Tensor,
-    out: torch.Tensor,
-    ssm_state_indices: torch.Tensor,
-    write_pos: torch.Tensor,
-    force_flush: torch.Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    lower_bound: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`replayssm_decode` on the pre-decayed ring layout (``tp_replayssm.ops.replayssm_decode_predecayed``):
-    ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the cumulative gates
-    ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)`` (rounded to the cache
-    dtype). Same math otherwise. Any gate: where ``G_c`` falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-75) in some
-    key lane, that (row, value head) REBASES instead of appending: its new state goes to the checkpoint, its ring
-    entries ``j <= c`` get ``d_j = 0`` and ``G_c = 0``, ``k_c = 0`` (the cursor still moves on). Under
-    ``(L-1) * |lower_bound| <= 75`` no rebase can happen."""
-    return _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-                   ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound, True)
+    A row whose cursor ``write_pos`` is ``L-1`` or whose ``force_flush`` is nonzero writes its new state into the
+    checkpoint; any other row appends ``(delta, k, g)`` at ring position ``write_pos``. Padding rows (slot < 0) get
+    zeros and touch nothing; so does a row whose slot is ``>= S`` or whose cursor is outside ``[0, L-1]`` (it would
+    address memory outside its slot). ``ring_layout="predecayed"``: the pre-decayed rings (:func:`decode_rows`)."""
+    call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
+                      ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound)
+    dims = validate_decode(call, ring_layout=ring_layout, where="reference.replayssm_decode")
+    decode_rows(call, dims, ring_layout=ring_layout)
+    return out, initial_state
 
 
-def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,  # noqa: ANN001
-            ssm_state_indices, write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound,
-            predecayed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    dims = validate_decode_inputs(
-        mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out,
-        ssm_state_indices, write_pos, force_flush, lower_bound, predecayed=predecayed,
-    )
-    B, H, HV, K, V, L, r = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim,
-                            dims.value_dim, dims.ring_length, dims.group)
+def decode_rows(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_table: bool = False,
+                advance: bool = False) -> None:
+    """The decode of a validated call, in place (see :func:`replayssm_decode`).
+
+    ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]`` (row ``b`` reads
+    ``write_pos[slot_b]``); ``advance`` then moves those cursors afterwards (0 after a flush, else ``c + 1``).
+    In the pre-decayed layout ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the
+    cumulative gates ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)``. Where ``G_c``
+    falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-75) in some key lane, that (row, value head) REBASES instead of
+    appending: its new state goes to the checkpoint, its ring entries ``j <= c`` get ``d_j = 0`` and ``G_c = 0``,
+    ``k_c = 0`` (the cursor still moves on). Under ``(L-1) * |lower_bound| <= 75`` no rebase can happen."""
+    (mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out, ssm_state_indices,
+     write_pos, force_flush, use_qk_l2norm_in_kernel, lower_bound) = call
+    predecayed = ring_layout == "predecayed"
+    B, H, HV, K, V, L, S, r = (dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim,
+                               dims.value_dim, dims.ring_length, dims.num_slots, dims.group)
     x = mixed_qkv.float()
     q = x[:, : H * K].reshape(B, H, K)
     k = x[:, H * K : 2 * H * K].reshape(B, H, K)
@@ -163,9 +150,16 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
     g = kda_gate(a.reshape(B, HV, K), A_log, dt_bias.reshape(HV, K), lower_bound)  # [B, HV, K]
     beta = torch.sigmoid(b.float())  # [B, HV]
 
-    rows = (ssm_state_indices >= 0).nonzero().squeeze(1)
-    s = ssm_state_indices[rows].long()
-    c = write_pos[rows].long()
+    slots_all = ssm_state_indices.long()
+    in_range = (slots_all >= 0) & (slots_all < S)
+    if cursor_table:
+        c_all = write_pos.long()[torch.where(in_range, slots_all, S)]
+    else:
+        c_all = write_pos.long()
+    live = in_range & (c_all >= 0) & (c_all <= L - 1)  # anything else would address outside its slot: padding
+    rows = live.nonzero().squeeze(1)
+    s = slots_all[rows]
+    c = c_all[rows]
     qv = q[rows].repeat_interleave(r, dim=1)  # [n, HV, K]
     kv = k[rows].repeat_interleave(r, dim=1)
     gv = g[rows]
@@ -207,4 +201,7 @@ def _decode(mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_ca
         g_cache[s[nf], :, c[nf]] = gv[nf]
         # every value head of a q/k head carries the same key: store it once per q/k head
         k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
-    return out, initial_state
+    if advance:
+        from .kernels.cursor import advance_torch
+
+        advance_torch(write_pos, ssm_state_indices, force_flush, L)

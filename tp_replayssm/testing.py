@@ -137,38 +137,3 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return float((a - e).norm() / e.norm().clamp_min(1e-30))
-
-
-def example_kernel_args(*, batch: int = 64, heads: int = 8, key_dim: int = 128, value_dim: int = 128,
-                        ring: int = 16, state_dtype: torch.dtype = torch.float32, value_chunk: int = 16,
-                        lower_bound: float | None = None, cursors_by_slot: bool = False,
-                        tiny: bool = False, ring_dtype: torch.dtype = torch.bfloat16,
-                        mma_chunks: bool = False, predecayed: bool = False, rebase_pass: bool = False,
-                        advance_cursors: int = 0, vector_tiles: int = 0, count_after_loads: bool = False) -> tuple:
-    """The decode kernel's positional arguments (:func:`tp_replayssm.ops.kernel_args`) for random CPU
-    activations and zero caches of ``batch`` slots, ``H = HV = heads``: what code generation and
-    compile-only tools need (nothing runs). ``cursors_by_slot`` passes a per-slot cursor table
-    ``[batch + 1]`` as the pool does; ``ring_dtype`` is the d and k rings' dtype (the g ring is fp32);
-    ``mma_chunks`` the kernel's ``chunks_on_tensor_cores``; ``predecayed`` and ``rebase_pass`` its
-    ``predecayed_ring`` (:func:`tp_replayssm.ops.predecayed_mode`; with ``H = HV`` the k ring has the same shape
-    in both layouts); ``advance_cursors`` the kernel's fused-advance constant (:func:`tp_replayssm.ops.cursor_readers`;
-    it needs ``cursors_by_slot``); ``vector_tiles`` the kernel's constexpr of that name
-    (:func:`tp_replayssm.configs.vector_tiles`), ``count_after_loads`` likewise
-    (:func:`tp_replayssm.configs.count_after_loads`)."""
-    from . import ops
-    from ._validation import validate_decode_inputs
-
-    B, H, K, V, L = batch, heads, key_dim, value_dim, ring
-    inp = random_decode_inputs(B, H, H, K, V)
-    p = random_head_params(H, K)
-    caches = (torch.zeros(B, H, V, K, dtype=state_dtype), torch.zeros(B, H, L, V, dtype=ring_dtype),
-              torch.zeros(B, H, L, K, dtype=ring_dtype), torch.zeros(B, H, L, K))
-    out = torch.empty(B, 1, H, V, dtype=inp.mixed_qkv.dtype)
-    slots = torch.arange(B, dtype=torch.int32)
-    zeros = torch.zeros(B, dtype=torch.int32)
-    cursors = torch.zeros(B + 1, dtype=torch.int32) if cursors_by_slot else zeros
-    dims = validate_decode_inputs(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, *caches, out, slots,
-                                  cursors, zeros, lower_bound, cursors_by_slot=cursors_by_slot, predecayed=predecayed)
-    return ops.kernel_args(dims, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, 0.1, *caches, out, slots, cursors,
-                           zeros, True, lower_bound, value_chunk, cursors_by_slot, tiny, mma_chunks, predecayed,
-                           rebase_pass, advance_cursors, vector_tiles, count_after_loads)

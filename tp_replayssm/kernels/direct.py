@@ -1,29 +1,19 @@
-"""Eager launches of the compiled decode kernel without Helion's and Triton's per-call dispatch.
+"""Eager launches of a compiled Helion kernel without Helion's and Triton's per-call dispatch.
 
-An eager ``kernel(*args)`` call costs ~70-80 us of host time on the H200 machine before the GPU sees
-anything (benchmarks/RESULTS.md): Helion matches the arguments to a bound kernel and runs its
-generated host function, then Triton's ``JITFunction.run`` binds ~30 arguments, computes their
-specialization key and asks the driver for every pointer's attributes. All of that is a pure function
-of the inputs' *metadata*, which does not change from step to step. So the first call of a kind takes
-the normal path, and then a :class:`LaunchPlan` is recorded for it: the compiled Triton kernel, the
-grid, and for each argument of the Triton launch where its value comes from. Later calls whose
-metadata key matches go straight to the compiled kernel's C launcher with integer device addresses.
+An eager ``kernel(*args)`` call costs ~70-80 us of host time on the H200 machine before the GPU sees anything:
+Helion matches the arguments to a bound kernel and runs its generated host function, then Triton binds ~30
+arguments, computes their specialization key and asks the driver for every pointer's attributes. All of that is a
+pure function of the inputs' metadata. So the first call of a metadata key takes the normal path and records a
+:class:`LaunchPlan` (the compiled Triton kernel, the grid, and where each launch argument comes from); later calls
+with the same key go straight to the compiled kernel's C launcher with integer device addresses.
 
-The key (built by the caller, ``ops.launch`` or ``cursor_kernel.advance_launch``, with
-:func:`tensor_key`) must hold everything the compiled code or the argument values can depend on
-besides the data addresses and the runtime scalars: the launch choice (config object, value chunk,
-constexpr flags, integer arguments such as ``ring_length``), the device, and for every input tensor
-its dtype, shape, strides and its address modulo 16 (Triton specializes pointers on 16-byte
-alignment). Views the op builds (``q3``, the cache row views, ...) are functions of that metadata,
-so each view's address is its input's address plus a fixed byte offset, recorded once. Integer
-arguments of the launch (strides, sizes) are functions of the key too and are recorded as constants;
-the decode kernel's runtime scalars are ``scale`` and ``lower_bound``. A launch the recorder does
-not understand (an unexpected argument kind or launcher option) gets no plan and keeps the normal
-path.
-
-Only CUDA launches take this path; the interpreter runs and a launch hook set on Triton
-(``triton.knobs.runtime.launch_enter_hook``, e.g. a profiler) keep the normal one. Setting
-``TP_REPLAYSSM_DIRECT_LAUNCH=0`` turns it off.
+The key holds everything the compiled code or the argument values depend on besides the data addresses and the
+runtime scalars: the kernel, its config, the caller's key (the decode kernel's :class:`~.plan.DecodePlan`), launcher
+options, the device, and per input tensor its dtype, shape, strides and address modulo 16 (Triton specializes
+pointers on 16-byte alignment). Each kernel argument that is a view of an input has a fixed byte offset from it
+(:class:`LaunchArgs` says which input; the recorder checks the storage); integer arguments are functions of the key
+and are recorded as constants. Only CUDA launches take this path; the interpreter and a launch hook set on Triton
+(a profiler) keep the normal one, and ``TP_REPLAYSSM_DIRECT_LAUNCH=0`` turns it off. docs/kernel_design.md has more.
 """
 
 from __future__ import annotations
@@ -44,6 +34,17 @@ ENABLED = os.environ.get("TP_REPLAYSSM_DIRECT_LAUNCH", "1") != "0"
 # Source of one argument of the Triton launch: ("input", j, byte offset) = address of input tensor j
 # plus an offset; ("scalar", name) = a runtime scalar of the call; ("const", value).
 Source = tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchArgs:
+    """A kernel's positional arguments, ``values``; ``sources[i]``: the index in the launch's ``inputs`` of the
+    tensor ``values[i]`` is a view of (None for a scalar); ``scalars``: the positions of the runtime scalars (whose
+    value may change between launches of one plan), by name."""
+
+    values: tuple
+    sources: tuple[int | None, ...]
+    scalars: dict[int, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,31 +73,28 @@ class PlanCache:
         # the kernels and configs named (by id) in keys, kept alive so that an id is never reused
         self._named: dict[int, Any] = {}
 
-    def launch(self, kernel: Any, config: Any, make_args: Callable[[], Sequence[object]],
+    def launch(self, kernel: Any, config: Any, make_args: Callable[[], LaunchArgs],
                inputs: Sequence[torch.Tensor], device: torch.device, key: tuple,
-               arg_inputs: Sequence[int | None], scalars: dict[str, object] | None = None,
-               scalar_positions: dict[int, str] | None = None, options: dict[str, object] | None = None) -> None:
-        """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views
-        of ``inputs`` (``arg_inputs``, as in :meth:`record`). On CUDA: directly when this call's key has a
-        plan, else the normal way (under a device guard), recording a plan. The key is ``kernel``,
-        ``config``, ``key`` (everything else the launch depends on besides the inputs' metadata),
-        ``options``, the device and :func:`tensor_key` of ``inputs`` (the kernel too: a candidate kernel
-        swapped in behind the same config must not replay the library kernel's plan); ``scalars`` are
-        the values of the runtime scalars by name, ``scalar_positions`` their positions in the
-        arguments. ``options`` are extra Triton compile options (``{"maxnreg": 64}``) that Helion's config
-        cannot carry: the normal path passes them to Triton through Helion's launcher. ``make_args`` runs
-        only on the normal path."""
+               scalars: dict[str, object] | None = None, options: dict[str, object] | None = None) -> None:
+        """Launch the Helion ``kernel`` pinned to ``config`` on ``make_args()``, whose tensors are views of
+        ``inputs``. On CUDA: directly when this call's key has a plan, else the normal way (under a device guard),
+        recording a plan. The full key is ``kernel``, ``config``, ``key``, ``options``, the device and
+        :func:`tensor_key` of ``inputs``; ``scalars`` are the runtime scalars' values by name. ``options`` are
+        Triton compile options that Helion's config cannot carry (``{"maxnreg": 168}``). ``make_args`` runs only on
+        the normal path."""
         options = {k: v for k, v in options.items() if v is not None} if options else {}
         direct = device.type == "cuda" and ENABLED
         if direct:
             addresses, meta = tensor_key(inputs)
-            self._named.setdefault(id(kernel), kernel)
-            self._named.setdefault(id(config), config)
+            # objects in the key (kernel, config, a plan) by identity, kept alive so that an id is never reused
+            ids = tuple(k if isinstance(k, _PLAIN) else self._named.setdefault(id(k), (id(k), k))[0]
+                        for k in (kernel, config, *key))
             opts = tuple(sorted(options.items())) if options else ()
-            full_key = (id(kernel), id(config), *key, opts, device.index, meta)
+            full_key = (*ids, opts, device.index, meta)
             if self.try_launch(full_key, addresses, scalars or {}, device):
                 return
-        args = make_args()
+        largs = make_args()
+        args = largs.values
         recording = direct and full_key not in self.plans
         with device_guard(device):
             # Helion's generated host code for these arguments: needed to pass options, and to record
@@ -106,7 +104,7 @@ class PlanCache:
             else:
                 kernel(*args)
             if recording:
-                self.record(full_key, host, args, arg_inputs, inputs, scalar_positions or {}, options)
+                self.record(full_key, host, args, largs.sources, inputs, largs.scalars, options)
 
     def try_launch(self, key: tuple, addresses: Sequence[int], scalars: dict[str, object],
                    device: torch.device) -> bool:
@@ -159,6 +157,8 @@ class PlanCache:
         self.plans[key] = plan
         return plan
 
+
+_PLAIN = (int, float, str, bool, type(None))
 
 # Launcher options that only shape the compiled kernel (the plan replays that kernel as compiled)
 _REPLAYED_OPTIONS = frozenset({"num_warps", "num_stages", "maxnreg", "launch_pdl"})

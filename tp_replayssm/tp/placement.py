@@ -1,4 +1,4 @@
-"""Placement guarantees and the collective placement check (SPEC section 4).
+"""Placement guarantees and the collective placement check (docs/contract.md, placement).
 
 :func:`collective_placement_check` is what the pool calls on construction, on the first ``decode`` of
 each layer and from ``verify_placement()``. Protocol, identical on every rank of ``group``:
@@ -40,7 +40,7 @@ raises :class:`PlacementError`.
 **Current device.** For a CUDA pool, ``torch.cuda.current_device()``. A CPU pool is on its rank's
 current device when the machine has no CUDA or the group communicates over gloo only (a gloo CPU job
 on a GPU host is legitimate); a CPU pool in an NCCL group, or a pool on any other device type
-(``meta``, ...), is not. :func:`current_cuda_device` is the single hook for this (tests patch it to
+(``meta``, ...), is not. :func:`tp_replayssm.tp.devices.current_cuda_device` is the single hook for this (tests patch it to
 emulate ``cuda:N`` with ``FakeTensorMode`` on a CPU machine).
 
 **(host, device).** A CUDA device is identified by its UUID where the real device is visible (ranks
@@ -56,7 +56,6 @@ import functools
 import hashlib
 import logging
 import os
-import socket
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -65,6 +64,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import PlacementError
+from . import devices
+
 log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TP_REPLAYSSM_PLACEMENT_TIMEOUT_S"
@@ -72,14 +74,6 @@ DEFAULT_TIMEOUT_S = 60.0
 _MAGIC = 0x7470_5253_0001  # "tpRS" + protocol version 1
 _ROW = 5  # magic, status, fingerprint digest, device digest, group rank
 _MAX_NAMES = 8  # tensor names listed per (rank, actual device) before "... and N more"
-
-
-class PlacementError(ValueError):
-    """A pool tensor or decode input is misplaced, or ranks disagree (SPEC section 4).
-
-    The text names each offending rank, the tensor names, the expected and the actual device; in a
-    group, every rank raises the same text.
-    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,46 +146,13 @@ def check_timeout_s() -> float:
         return DEFAULT_TIMEOUT_S
 
 
-def current_cuda_device() -> torch.device | None:
-    """``cuda:<torch.cuda.current_device()>``, or None on a machine without CUDA (test hook)."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 @functools.lru_cache(maxsize=64)
 def _fingerprint_digest(fp: PoolFingerprint) -> int:
     return _digest(repr(sorted(fp.agreement().items())))
 
 
-@functools.lru_cache(maxsize=1)
-def _hostname() -> str:
-    return socket.gethostname()
-
-
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def _normalize(device: torch.device | str) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        cur = current_cuda_device()
-        if cur is not None:
-            return cur
-    return device
-
-
-def _device_key(host: str, device: torch.device) -> str:
-    """Identity of a CUDA device (UUID where visible, else ``host/cuda:N``); "" for other devices."""
-    if device.type != "cuda":
-        return ""
-    if torch.cuda.is_available() and device.index is not None and device.index < torch.cuda.device_count():
-        try:
-            return f"uuid:{torch.cuda.get_device_properties(device.index).uuid}"
-        except Exception:  # noqa: BLE001 - fall back to the index
-            pass
-    return f"{host}/{device}"
 
 
 def _names(names: list[str]) -> str:
@@ -226,7 +187,7 @@ def local_problems(
         problems.append(f"{_names(names)} on {dev}, expected {expected_device}")
 
     if require_current_device:
-        cur = current_cuda_device()
+        cur = devices.current_cuda_device()
         if expected_device.type == "cuda":
             if cur is None:
                 problems.append(f"pool device {expected_device} is not usable: this machine has no CUDA device")
@@ -275,10 +236,10 @@ def _local_report(
     fp: dict[str, Any] | None = None
     digest = 0
     try:
-        host = _hostname()
-        expected = _normalize(expected_device)
+        host = devices.hostname()
+        expected = devices.resolve_device(expected_device, strict=False)
         device = str(expected)
-        device_key = _device_key(host, expected)
+        device_key = devices.device_key(host, expected)
         if isinstance(fingerprint, PoolFingerprint):
             fp = fingerprint.as_dict()
             digest = fingerprint.digest()

@@ -69,7 +69,7 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise DistributedInitError(f"environment variable {name}={raw!r} is not an integer") from exc
 
 
-def resolve_device(device_type: str, local_rank: int) -> torch.device:
+def rank_device(device_type: str, local_rank: int) -> torch.device:
     """The rank's device: ``cuda:<local_rank>`` (checked against the visible devices) or CPU."""
     if device_type == "cpu":
         return torch.device("cpu")
@@ -116,7 +116,7 @@ def init_distributed(
         raise DistributedInitError(f"RANK={rank} not in [0, WORLD_SIZE={world_size})")
     if not 0 <= local_rank < local_world_size:
         raise DistributedInitError(f"LOCAL_RANK={local_rank} not in [0, LOCAL_WORLD_SIZE={local_world_size})")
-    device = resolve_device(device_type, local_rank)
+    device = rank_device(device_type, local_rank)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -1,26 +1,14 @@
-"""One-launch cursor advance for :meth:`tp_replayssm.pool.ReplaySSMStatePool.advance` (SPEC section 3).
+"""The pool's cursor advance in one launch (:meth:`tp_replayssm.pool.ReplaySSMStatePool.advance`).
 
-``advance`` runs once per model step inside the caller's CUDA graph; as a chain of small torch ops
-(where, index_select, compares, scatter_reduce: :func:`advance_torch`) it cost 17-29 us of graph time
-per step on the H200 (B = 8..16384), this kernel 1.2 us up to B = 512 (6.2 us at 16384). It is one
-Helion kernel with ONE program (one CTA) covering all ``B`` rows, in three phases:
-
-1. load ``slots [B]`` and ``force_flush [B]``; ``idx = slot if slot >= 0 else S`` (the scratch entry);
-   gather ``c = cursors[idx]``; ``flushed = c >= L-1 or force_flush != 0``;
-2. CTA barrier, so that no thread's store can land before another thread's gather of the same entry;
-   store ``0 if flushed else c+1`` at ``idx``. Rows listing the same slot read the same ``c``, so
-   they disagree only when some but not all of them flushed;
-3. CTA barrier, then store ``0`` at ``idx`` for the flushed rows: a slot listed twice ends at 0 if any
-   of its rows flushed, else ``c+1`` (the ``scatter_reduce(amin)`` of the torch path).
-
-On sm_90+ it is launched with programmatic dependent launch and waits at entry, like the decode
-kernel (:mod:`tp_replayssm.kernel`). The barriers are ``tl.debug_barrier()`` (``bar.sync``: it
-orders the CTA's global loads/stores), put in through ``hl.inline_triton``. That is why the grid
-must be a single program: rows in different CTAs could not be ordered. One CTA holds at most
-:data:`MAX_ROWS` rows (16 per thread at 32 warps); larger batches, and pools off CUDA, use the torch
-ops (:func:`advance_torch`). Each block size / warp count is one compiled kernel (cached); ``B`` itself
-is a runtime argument (``static_shapes=False``), so CUDA-graph batch sizes that share a power of two
-share a compile.
+``advance`` runs once per model step, inside the caller's CUDA graph: a flushed row's cursor goes to 0, any other
+to ``c + 1``. As a chain of small torch ops (:func:`advance_torch`, the reference and the CPU path) that cost 17-29 us
+of graph time per step on the H200; this kernel takes ~1.2 us up to B = 512. It is ONE program (one CTA) over all
+``B`` rows, because its phases are ordered by CTA barriers (``tl.debug_barrier()``, ``bar.sync``): gather every
+row's cursor, barrier, store ``0 if flushed else c + 1``, barrier, store 0 for the flushed rows (a slot listed twice
+ends at 0 if any of its rows flushed). Padding rows (slot < 0) use the scratch entry ``S``. One CTA holds at most
+:data:`MAX_ROWS` rows; larger batches use the torch ops. ``B`` is a runtime argument, so batch sizes that share a
+power of two share a compile (warm each bucket up before graph capture). On sm_90+ it is launched with programmatic
+dependent launch and waits at entry, like the decode kernel.
 """
 
 from __future__ import annotations
@@ -33,8 +21,8 @@ import torch
 import helion
 import helion.language as hl
 
-from . import direct_launch
-from .ops import _no_flush  # the cached all-zero force_flush (never written)
+from . import direct
+from .launch import no_flush
 
 __all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
 
@@ -90,18 +78,19 @@ def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torc
     """One kernel launch: ``cursors [S+1]``, ``slots [B]``, ``force_flush [B]`` int32 (or None) on one
     device, ``1 <= B <= MAX_ROWS``. No validation (the pool validates); the caller makes the device
     current. On CUDA, repeated calls of the same metadata launch the compiled kernel directly
-    (:mod:`.direct_launch`; the key holds the tensors' metadata and ``ring_length``, which with them
+    (:mod:`.direct`; the key holds the tensors' metadata and ``ring_length``, which with them
     determine every integer the launch passes: ``B``, the strides, the scratch index)."""
     B = slots.shape[0]
     if force_flush is None:
-        force_flush = _no_flush(B, slots.device)
+        force_flush = no_flush(B, slots.device)
     block, warps = launch_choice(B)
     kern = advance_kernel_for(block, warps)
-    DIRECT_PLANS.launch(kern, kern.configs[0], lambda: (cursors, slots, force_flush, ring_length),
-                        (cursors, slots, force_flush), cursors.device, (int(ring_length),), (0, 1, 2, None))
+    DIRECT_PLANS.launch(kern, kern.configs[0],
+                        lambda: direct.LaunchArgs((cursors, slots, force_flush, ring_length), (0, 1, 2, None), {}),
+                        (cursors, slots, force_flush), cursors.device, (int(ring_length),))
 
 
-DIRECT_PLANS = direct_launch.PlanCache("cursor_advance")
+DIRECT_PLANS = direct.PlanCache("cursor_advance")
 
 
 def advance_torch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,

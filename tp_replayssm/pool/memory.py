@@ -1,4 +1,4 @@
-"""Memory accounting of the per-rank state pool (SPEC section 3).
+"""Memory accounting of the per-rank state pool.
 
 :func:`pool_memory` gives the bytes one rank's :class:`~tp_replayssm.ReplaySSMStatePool` holds for a
 config (bytes per slot and layer for the checkpoint and each ring, per slot over all layers, per
@@ -6,8 +6,8 @@ layer, total); :func:`slots_that_fit` answers "how many slots fit in N bytes on 
 
 Layout accounted for (``HV_l``/``H_l`` = the rank's local heads, ``NL`` layers, ``S`` slots, ring
 length ``L``): checkpoint ``[NL, S, HV_l, V, K]`` state dtype, d ring ``[NL, S, HV_l, L, V]`` and
-k ring ``[NL, S, H_l, L, K]`` cache dtype (``[NL, S, HV_l, L, K]``, one per value head, in the pre-decayed
-layout), g ring ``[NL, S, HV_l, L, K]`` fp32, cursors ``[S + 1]`` int32 (one per slot shared by all layers,
+k ring ``[NL, S, HV_l, L, K]`` cache dtype (one per value head, the pre-decayed layout; ``[NL, S, H_l, L, K]``,
+one per q/k head, in the sglang layout), g ring ``[NL, S, HV_l, L, K]`` fp32, cursors ``[S + 1]`` int32 (one per slot shared by all layers,
 plus one scratch entry that padding rows write to).
 """
 
@@ -17,7 +17,7 @@ import dataclasses
 
 import torch
 
-from .heads import KDAHeads, shard_heads
+from ..tp.heads import KDAHeads, shard_heads
 
 __all__ = ["PoolMemory", "pool_memory", "slots_that_fit"]
 
@@ -92,9 +92,8 @@ def _element_size(dtype: torch.dtype) -> int:
 
 def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: int, ring_length: int,
                 state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.bfloat16,
-                keys_per_value_head: bool = False) -> PoolMemory:
-    """The :class:`PoolMemory` of one rank's pool for this config (every rank's shard has the same size);
-    ``keys_per_value_head``: the pre-decayed layout's k ring, one per value head."""
+                ring_layout: str = "predecayed") -> PoolMemory:
+    """The :class:`PoolMemory` of one rank's pool for this config (every rank's shard has the same size)."""
     local = shard_heads(heads, tp_size, 0).local
     HV, H, K, V, L = local.num_v_heads, local.num_q_heads, local.key_dim, local.value_dim, ring_length
     cache = _element_size(cache_dtype)
@@ -103,7 +102,7 @@ def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: in
         num_slots=num_slots,
         checkpoint_per_slot_layer=HV * V * K * _element_size(state_dtype),
         d_ring_per_slot_layer=HV * L * V * cache,
-        k_ring_per_slot_layer=(HV if keys_per_value_head else H) * L * K * cache,
+        k_ring_per_slot_layer=(HV if ring_layout == "predecayed" else H) * L * K * cache,
         g_ring_per_slot_layer=HV * L * K * _element_size(torch.float32),
         cursor_per_slot=CURSOR_BYTES,
     )
@@ -111,7 +110,7 @@ def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: in
 
 def slots_that_fit(heads: KDAHeads, *, tp_size: int, num_layers: int, ring_length: int,
                    state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.bfloat16,
-                   budget_bytes: int, keys_per_value_head: bool = False) -> int:
+                   budget_bytes: int, ring_layout: str = "predecayed") -> int:
     """The largest ``num_slots`` whose pool (``pool_memory(...).total``) fits in ``budget_bytes`` on one
     rank; 0 when not even one slot fits. E.g. ``budget_bytes=int(40 * 2**30)`` for 40 GiB."""
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
@@ -121,7 +120,7 @@ def slots_that_fit(heads: KDAHeads, *, tp_size: int, num_layers: int, ring_lengt
     if not isinstance(ring_length, int) or ring_length < 1:
         raise ValueError(f"slots_that_fit: `ring_length` must be a positive int; got {ring_length!r}")
     unit = pool_memory(heads, tp_size=tp_size, num_layers=num_layers, num_slots=0, ring_length=ring_length,
-                       state_dtype=state_dtype, cache_dtype=cache_dtype, keys_per_value_head=keys_per_value_head)
+                       state_dtype=state_dtype, cache_dtype=cache_dtype, ring_layout=ring_layout)
     fixed = unit.total  # the scratch cursor
     if budget_bytes < fixed:
         return 0

@@ -1,0 +1,75 @@
+"""Launch plans from a command line: the library's plan for a shape, with fields overridden by name.
+
+A benchmark times another launch by passing a plan (``tp_replayssm.kernels.plan.DecodePlan``), never by setting
+globals. ``--override`` takes ``field=value`` pairs separated by commas, e.g. ``value_tile=64,vector_tiles=0`` or
+``maxnreg=168,value_chunk=8`` (``maxnreg=none`` removes a cap); the names are ``DecodePlan``'s fields, checked when
+the arguments are parsed, and ``DecodePlan.check`` rejects a plan the call cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+__all__ = ["build_plan", "override_arg", "problem"]
+
+
+def _fields() -> dict[str, type]:
+    from tp_replayssm.kernels.plan import DecodePlan
+
+    return {f.name: f.type for f in dataclasses.fields(DecodePlan)}
+
+
+def override_arg(text: str) -> dict[str, Any]:
+    """``argparse`` type of ``--override``: ``field=value[,field=value...]`` -> dict (ints, bools, ``none``)."""
+    if not text:
+        return {}
+    fields = _fields()
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or name not in fields:
+            raise argparse.ArgumentTypeError(f"expected field=value with field one of {sorted(fields)}; got {item!r}")
+        v = value.strip().lower()
+        if v in ("none", "null"):
+            out[name] = None
+        elif v in ("true", "false", "on", "off"):
+            out[name] = v in ("true", "on")
+        else:
+            try:
+                out[name] = int(v)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name}: expected an int, true/false or none; got {value!r}") from None
+    return out
+
+
+def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int = 128, value_dim: int = 128,
+            ring_length: int = 16, state: str = "fp32", cache: str = "bf16", layout: str = "predecayed",
+            lower_bound: float | None = None, advance: bool = False, cursor_table: bool | None = None,
+            use_l2norm: bool = True, device: str = "cuda") -> Any:
+    """The ``DecodeProblem`` of a benchmark shape (an H200 plan when ``device`` is "cuda" on any machine)."""
+    import torch
+
+    from tp_replayssm.kernels.plan import H200_SMS, DecodeProblem
+    from tp_replayssm.validation import PREDECAYED_MAX_LOG_DECAY
+
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" and \
+        torch.cuda.is_available() else H200_SMS
+    bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
+    return DecodeProblem(batch, q_heads or heads, heads, key_dim, value_dim, ring_length, dt[state], dt[cache],
+                         device, sms, layout, advance if cursor_table is None else cursor_table, advance, use_l2norm,
+                         lower_bound is not None, bounded)
+
+
+def build_plan(*, override: str | dict[str, Any] = "", **problem_kwargs: Any) -> Any:
+    """The library's plan for ``problem(**problem_kwargs)`` with ``override`` applied and checked."""
+    from tp_replayssm.kernels.plan import plan_decode
+
+    prob = problem(**problem_kwargs)
+    changes = override_arg(override) if isinstance(override, str) else dict(override)
+    plan = dataclasses.replace(plan_decode(prob), **changes)
+    plan.check(prob)
+    return plan

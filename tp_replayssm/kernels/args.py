@@ -1,0 +1,115 @@
+"""The decode kernel's arguments, built from a call: views only, no copies, each tagged with the input it views.
+
+:func:`decode_kernel_args` returns a :class:`~tp_replayssm.kernels.direct.LaunchArgs`: the positional arguments of
+:func:`tp_replayssm.kernels.decode.replayssm_decode_kernel` in its signature's order, and for each one the index (in
+:data:`tp_replayssm.validation.CALL_TENSORS`) of the call tensor it is a view of. The direct launcher
+(:mod:`tp_replayssm.kernels.direct`) replays a launch from that map; it is derived here, where each view is made.
+
+Caches are passed as overlapping "row" views ``[span, last]`` with strides ``(1, 1)``: row ``r`` is the ``last``
+contiguous elements starting at element ``r``, so the kernel addresses element ``[i, j, l, :]`` as row
+``i*s0 + j*s1 + l*s2`` from the element strides it gets beside the view. Any strides with a contiguous last dim (a
+layer slice of a ``[layers, S, ...]`` pool, padded rows) work without a copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+
+import torch
+
+from ..validation import CALL_TENSORS, DecodeCall, DecodeDims
+from .decode import replayssm_decode_kernel
+from .direct import LaunchArgs
+from .plan import DecodePlan
+
+__all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "rows_view", "vector_tiles_view"]
+
+# 16-byte vectors of a checkpoint row per thread in the append loop's vector tiles (docs/tuning.md, vector tiles)
+VECTORS_PER_LANE = 4
+_PARAMS = tuple(inspect.signature(replayssm_decode_kernel).parameters)
+_SOURCE = {name: i for i, name in enumerate(CALL_TENSORS)}
+
+
+def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """The overlapping ``[span, last]`` view of a 4-D tensor with a contiguous last dim, and its outer strides.
+
+    Cached per tensor object (caches are the same tensors every step): the entry dies with the tensor and is rebuilt
+    if its data pointer, shape or strides changed."""
+    key = id(t)
+    meta = (t.data_ptr(), t.shape, t.stride())
+    hit = _ROWS_VIEWS.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == meta:
+        return hit[2]
+    s0, s1, s2, _ = t.stride()
+    span = sum((n - 1) * s for n, s in zip(t.shape[:3], (s0, s1, s2))) + 1
+    # from a detached alias, so the cached view does not keep the key tensor alive
+    view = t.detach().as_strided((span, t.shape[3]), (1, 1), t.storage_offset()), (s0, s1, s2)
+    _ROWS_VIEWS[key] = (weakref.ref(t, lambda _, key=key: _ROWS_VIEWS.pop(key, None)), meta, view)
+    return view
+
+
+# id(tensor) -> (weakref to it, (data_ptr, shape, strides), (rows view, outer strides))
+_ROWS_VIEWS: dict[int, tuple] = {}
+
+
+def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Tensor:
+    """A rows view ``[span, K]`` as ``[Ko, span, Ki, kv]``, the same elements: ``K = Ko*Ki*kv`` split into
+    ``kv``-element vectors of 16 bytes of ``element_size`` (the checkpoint's), ``Ki = VECTORS_PER_LANE`` of them per
+    thread. The kernel's vector tiles load ``[Ko, Vc, Ki, kv]`` blocks of it (docs/kernel_design.md)."""
+    kv = math.gcd(K, 16 // element_size)
+    ki = math.gcd(K // kv, VECTORS_PER_LANE)
+    ko = K // kv // ki
+    return rows.as_strided((ko, rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), rows.storage_offset())
+
+
+def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, scale: float,
+                       force_flush: torch.Tensor) -> LaunchArgs:
+    """The kernel's arguments for a validated call (``force_flush``: the call's, or zeros when it passed None)."""
+    B, H, HV, K, V = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
+    mixed_qkv, a, dt_bias, out = call.mixed_qkv, call.a, call.dt_bias, call.out
+    # one as_strided per view (a slice plus an unflatten costs twice the host time, which eager decode pays on
+    # every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out3 [B, HV, V]
+    row, off = mixed_qkv.stride(0), mixed_qkv.storage_offset()
+    state_rows, st = rows_view(call.initial_state)
+    d_rows, dr = rows_view(call.d_cache)
+    k_rows, kr = rows_view(call.k_cache)
+    g_rows, gr = rows_view(call.g_cache)
+    size = call.initial_state.element_size()
+    tensors = {  # name -> (value, the call tensor it views)
+        "q3": (mixed_qkv.as_strided((B, H, K), (row, K, 1), off), "mixed_qkv"),
+        "k3": (mixed_qkv.as_strided((B, H, K), (row, K, 1), off + H * K), "mixed_qkv"),
+        "v3": (mixed_qkv.as_strided((B, HV, V), (row, V, 1), off + 2 * H * K), "mixed_qkv"),
+        "a3": (a if a.dim() == 3 else a.as_strided((B, HV, K), (a.stride(0), K, 1), a.storage_offset()), "a"),
+        "b2": (call.b, "b"),
+        "A_log": (call.A_log, "A_log"),
+        "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),
+                     "dt_bias"),
+        "state_rows": (state_rows, "initial_state"),
+        "d_rows": (d_rows, "d_cache"),
+        "k_rows": (k_rows, "k_cache"),
+        "g_rows": (g_rows, "g_cache"),
+        "state_vecs": (vector_tiles_view(state_rows, K, size), "initial_state"),
+        "k_vecs": (vector_tiles_view(k_rows, K, size), "k_cache"),  # split as the checkpoint (ak's tiles)
+        "out3": (out.as_strided((B, HV, V), (out.stride(0), out.stride(2), 1), out.storage_offset()), "out"),
+        "slots": (call.ssm_state_indices, "ssm_state_indices"),
+        "write_pos": (call.write_pos, "write_pos"),
+        "force_flush": (force_flush, "force_flush"),
+    }
+    scalars = {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
+               **dict(zip(("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h",
+                           "gr_l"), (*st, *dr, *kr, *gr))),
+               **plan.constexprs()}
+    values, sources, runtime = [], [], {}
+    for i, name in enumerate(_PARAMS):
+        if name in tensors:
+            value, source = tensors[name]
+            values.append(value)
+            sources.append(_SOURCE[source])
+        else:
+            values.append(scalars[name])
+            sources.append(None)
+            if name in ("scale", "lower_bound"):
+                runtime[i] = name
+    return LaunchArgs(tuple(values), tuple(sources), runtime)

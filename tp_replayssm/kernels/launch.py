@@ -1,0 +1,88 @@
+"""One entry for every decode launch: validate, choose the path, plan, launch.
+
+:func:`run_decode` is what the op (:func:`tp_replayssm.ops.replayssm_decode`) and the pool call. It validates the
+call (``ValueError`` before anything is written), then runs it on the inputs' device, whatever the current device
+is: on CPU tensors the PyTorch path of :mod:`tp_replayssm.reference` unless the interpreter backend is chosen
+(:mod:`.backend`), else the Helion kernel with the call's :class:`~.plan.DecodePlan` (or the one passed), through
+the direct launcher after a metadata key's first call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..validation import DecodeCall, DecodeDims, resolve_scale, validate_decode_once
+from . import direct
+from .args import decode_kernel_args
+from .backend import runs_kernel
+from .decode import decode_kernel_for
+from .plan import DecodePlan, plan_decode, problem_of
+
+__all__ = ["DIRECT_PLANS", "no_flush", "plan_for", "run_decode"]
+
+# Direct-launch plans of the decode kernel
+DIRECT_PLANS = direct.PlanCache("replayssm_decode")
+
+_ZERO_FLAGS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def no_flush(batch: int, device: torch.device) -> torch.Tensor:
+    """A cached all-zero ``force_flush [batch]`` for callers that passed None (never written)."""
+    key = (device, batch)
+    t = _ZERO_FLAGS.get(key)
+    if t is None:
+        t = _ZERO_FLAGS[key] = torch.zeros(batch, dtype=torch.int32, device=device)
+    return t
+
+
+def plan_for(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_table: bool,
+             advance: bool) -> DecodePlan:
+    """The library's plan for a validated call."""
+    return plan_decode(problem_of(
+        dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=call.mixed_qkv.device,
+        ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
+        use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound))
+
+
+def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False, advance: bool = False,
+               plan: DecodePlan | None = None, where: str = "replayssm_decode") -> DecodeDims:
+    """Validate and run one decode call in place (module docstring); returns its sizes.
+
+    ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]``; ``advance`` (with it) moves those
+    cursors in the same launch, as :func:`tp_replayssm.kernels.cursor.advance` would right after it. ``plan``
+    replaces the library's launch plan (benchmarks, tests); it must fit the call (:meth:`DecodePlan.check`)."""
+    if advance and not cursor_table:
+        raise ValueError(f"{where}: advance=True needs the pool's cursor table [S + 1] as `write_pos`")
+    dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
+    device = call.mixed_qkv.device
+    kernel = runs_kernel(device, where)
+    if plan is not None:
+        problem = problem_of(
+            dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=device,
+            ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
+            use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound)
+        plan.check(problem)
+    if dims.batch == 0:
+        return dims
+    if not kernel:
+        from ..reference import decode_rows
+
+        decode_rows(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
+        return dims
+    if plan is None:
+        plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
+    launch_decode(call, dims, plan)
+    return dims
+
+
+def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan) -> None:
+    """Launch the kernel for a validated call with ``plan`` (no checks)."""
+    device = call.mixed_qkv.device
+    force = no_flush(dims.batch, device) if call.force_flush is None else call.force_flush
+    scale = resolve_scale(call.scale, dims.key_dim)
+    inputs = (*call[:5], *call[6:13], force)  # the call's tensors (validation.CALL_TENSORS order)
+    config = plan.config
+    DIRECT_PLANS.launch(
+        decode_kernel_for(config), config, lambda: decode_kernel_args(call, dims, plan, scale, force), inputs, device,
+        (plan,), {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)},
+        None if plan.maxnreg is None else {"maxnreg": plan.maxnreg})

@@ -1,0 +1,271 @@
+"""The decode kernel's launch plan: every compile-time choice of one launch, made in one place.
+
+:func:`plan_decode` maps a :class:`DecodeProblem` (the call's sizes, dtypes, device, ring layout, cursor kind,
+fused advance and gate) to a frozen :class:`DecodePlan`: the Helion config (value tile, warps, pipeline stages,
+load hints), the register cap, and every constexpr of :func:`tp_replayssm.kernels.decode.replayssm_decode_kernel`.
+Nothing else decides how the kernel is compiled; a benchmark or a test that wants another launch passes its own
+plan (``dataclasses.replace(plan_decode(problem), value_tile=64)``), which :meth:`DecodePlan.check` validates.
+
+The rules and the H200 measurements behind each constant are in ``docs/tuning.md``; the names here match it.
+Grid sizes are weighed in waves: rounds of resident programs (:data:`PROGRAMS_PER_SM` one-warp programs per SM,
+:data:`CAPPED_PROGRAMS_PER_SM` under the register cap) over the device's SMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+import helion
+
+from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
+
+__all__ = ["DecodePlan", "DecodeProblem", "plan_decode", "problem_of"]
+
+# (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
+TINY_BATCH_BELOW = 16
+# one-warp programs from this many (row, value head) pairs up (K <= 128): sglang layout / pre-decayed layout
+ONE_WARP_FROM = 96
+ONE_WARP_FROM_PREDECAYED = TINY_BATCH_BELOW
+# tensor-core chunks (bf16 checkpoint and ring) from this many pairs up
+TENSOR_CORE_CHUNKS_FROM = 1024
+# resident one-warp programs per SM at K = 128: uncapped, and under the register cap
+PROGRAMS_PER_SM = 8
+CAPPED_PROGRAMS_PER_SM = 12
+REGISTER_CAP = 168
+# software-pipeline stages of the tensor-core chunk loop (cp.async copies of the next chunks)
+MMA_CHUNK_STAGES = 3
+# positions of the checkpoint-chunk loads in Helion's list of the kernel's loads (``load_eviction_policies``), on the
+# register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint
+STATE_LOADS = (1, 13, 16)
+# the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
+H200_SMS = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProblem:
+    """What a launch plan depends on. ``gate_bounded``: a ``lower_bound`` gate that cannot take a pre-decayed
+    cumulative gate past the rebase bound within a ring cycle (``(L-1) * |lower_bound| <= 75``)."""
+
+    batch: int
+    num_q_heads: int
+    num_v_heads: int
+    key_dim: int
+    value_dim: int
+    ring_length: int
+    state_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    device_type: str  # "cuda" for a GPU launch; anything else plans for the Triton interpreter
+    sm_count: int
+    ring_layout: str  # "predecayed" or "sglang"
+    cursor_table: bool  # cursors read by slot from the pool's table [S + 1] (else one per row)
+    advance: bool  # the launch also moves the cursor table (the fused advance)
+    use_l2norm: bool
+    use_lower_bound: bool
+    gate_bounded: bool
+
+
+def problem_of(dims: DecodeDims, *, state_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device,
+               ring_layout: str, cursor_table: bool, advance: bool, use_l2norm: bool,
+               lower_bound: float | None) -> DecodeProblem:
+    """The :class:`DecodeProblem` of a validated call."""
+    bounded = lower_bound is not None and (dims.ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
+    return DecodeProblem(dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
+                         dims.ring_length, state_dtype, cache_dtype, device.type, _sm_count(device), ring_layout,
+                         bool(cursor_table), bool(advance), bool(use_l2norm), lower_bound is not None, bounded)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """Every compile-time choice of one decode launch (``str(plan)`` prints them all).
+
+    Grid: one program per (row, q/k head, value head of it, value tile of ``value_tile`` rows), ``num_warps`` warps
+    each, walking its tile ``value_chunk`` rows at a time. The rest are the kernel's constexprs of the same names
+    (``tensor_core_chunks`` is its ``chunks_on_tensor_cores``, ``advance_readers`` its ``advance_cursors``)."""
+
+    value_tile: int
+    value_chunk: int
+    num_warps: int
+    maxnreg: int | None  # ptxas register cap, passed as a Triton launcher option beside the Helion config
+    chunk_stages: int  # software-pipeline stages of the tensor-core chunk loop (0: none)
+    evict_state_first: bool  # checkpoint-chunk loads with evict_first (STATE_LOADS)
+    tensor_core_chunks: bool
+    tiny_batch: bool
+    vector_tiles: int  # 0, 1 (append loop on [Ko, Vc, Ki, kv] tiles), 2 (and the pre-decayed keys)
+    predecayed_ring: int  # 0 sglang layout; pre-decayed: 1 no rebase possible, 2 rebase via flush, 3 rebase pass
+    advance_readers: int  # 0, or the programs that read one row's cursor (the fused advance counts them)
+    cursor_table: bool
+    ring_length: int
+    ring_block: int
+    use_l2norm: bool
+    use_lower_bound: bool
+
+    def __str__(self) -> str:
+        return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
+
+    @property
+    def config(self) -> helion.Config:
+        """The Helion config (one object per distinct config: compiled kernels are cached by it)."""
+        return launch_config(self.value_tile, self.num_warps, self.evict_state_first, self.chunk_stages)
+
+    def constexprs(self) -> dict[str, object]:
+        """The kernel's constexpr arguments, by name."""
+        return dict(ring_length=self.ring_length, ring_block=self.ring_block, value_chunk=self.value_chunk,
+                    use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
+                    cursors_by_slot=self.cursor_table, tiny_batch=self.tiny_batch,
+                    chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
+                    advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles)
+
+    def check(self, problem: DecodeProblem) -> None:
+        """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
+        combination the kernel does not have)."""
+        want = plan_decode(problem)
+        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound"):
+            if getattr(self, name) != getattr(want, name):
+                raise ValueError(f"DecodePlan: `{name}` is {getattr(self, name)!r} but this call needs "
+                                 f"{getattr(want, name)!r} ({self})")
+        if (self.predecayed_ring == 0) != (problem.ring_layout == "sglang"):
+            raise ValueError(f"DecodePlan: `predecayed_ring` {self.predecayed_ring} does not match the call's "
+                             f"{problem.ring_layout!r} ring layout")
+        if (self.advance_readers != 0) != problem.advance:
+            raise ValueError(f"DecodePlan: `advance_readers` {self.advance_readers} does not match advance="
+                             f"{problem.advance}")
+        if problem.advance and self.advance_readers != cursor_readers(problem, self.value_tile):
+            raise ValueError(f"DecodePlan: `advance_readers` must be {cursor_readers(problem, self.value_tile)} "
+                             f"for value tiles of {self.value_tile} rows; got {self.advance_readers}")
+        if self.vector_tiles and self.tensor_core_chunks:
+            raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
+
+
+def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0) -> helion.Config:
+    """The Helion config of a plan: one cached object per distinct choice (compiled kernels are cached by config
+    identity). ``range_num_stages`` by Helion's loop index: 1 is the append rows' chunk loop (pipelined only on the
+    tensor-core chunk path), 2 the flush loop; the flush's replay loop (non-bf16 rings) takes the padding."""
+    return _launch_config(vt, warps, evict_state_first, chunk_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(vt: int, warps: int, evict_state_first: bool, chunk_stages: int) -> helion.Config:
+    extra: dict[str, object] = {}
+    if evict_state_first:
+        extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
+    return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
+                         range_num_stages=[0, chunk_stages, 0], **extra)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (:data:`H200_SMS` where it is not a visible GPU)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return H200_SMS
+
+
+def _programs(pairs: int, value_dim: int, vt: int) -> int:
+    """Programs of a grid: one per (row, value head) pair and value tile of ``vt`` rows."""
+    return pairs * -(-value_dim // vt)
+
+
+def _waves(programs: int, per_sm: int, sms: int) -> int:
+    return -(-programs // (per_sm * sms))
+
+
+def _one_wave_value_tile(pairs: int, value_dim: int, sms: int, narrowest: int) -> int:
+    """The one-warp programs' value tile: the narrowest of ``narrowest`` / 32 / 64 whose grid still fits one wave of
+    :data:`PROGRAMS_PER_SM` per SM, else 128 (as many programs in flight as fit, and no partial second wave)."""
+    for vt in (16, 32, 64):
+        if vt >= narrowest and _programs(pairs, value_dim, vt) <= PROGRAMS_PER_SM * sms:
+            return vt
+    return 128
+
+
+def _capped_waves_fewer(programs: int, sms: int) -> bool:
+    """Whether the register cap runs the tensor-core grid in fewer waves (12 programs per SM instead of 8)."""
+    return _waves(programs, CAPPED_PROGRAMS_PER_SM, sms) < _waves(programs, PROGRAMS_PER_SM, sms)
+
+
+def _capped_one_wave(programs: int, sms: int) -> bool:
+    """Whether the register path's grid takes two or more waves uncapped and one capped (1057-1584 programs on the
+    H200): there fp32 checkpoints win with 8-row chunks under the cap."""
+    return _waves(programs, CAPPED_PROGRAMS_PER_SM, sms) == 1 < _waves(programs, PROGRAMS_PER_SM, sms)
+
+
+def _grid(problem: DecodeProblem) -> tuple[int, int, int, int | None, bool, bool]:
+    """``(value_tile, value_chunk, warps, maxnreg, tensor_core_chunks, evict_state_first)`` (docs/tuning.md)."""
+    bf16_operands = problem.state_dtype == torch.bfloat16 and problem.cache_dtype == torch.bfloat16
+    if problem.device_type != "cuda":  # the interpreter: both chunk paths run, tensor cores when the operands allow
+        return 32, 16, 4, None, bf16_operands, False
+    pairs = problem.batch * problem.num_v_heads  # programs when one program covers all of V
+    predecayed = problem.ring_layout == "predecayed"
+    mma, maxnreg, evict = False, None, False
+    if problem.key_dim <= 128 and pairs >= (ONE_WARP_FROM_PREDECAYED if predecayed else ONE_WARP_FROM):
+        chunk, warps = 16, 1
+        sms = problem.sm_count
+        narrowest = 16 if predecayed or problem.state_dtype == torch.bfloat16 else 32
+        vt = _one_wave_value_tile(pairs, problem.value_dim, sms, narrowest)
+        mma = pairs >= TENSOR_CORE_CHUNKS_FROM and bf16_operands
+        programs = _programs(pairs, problem.value_dim, vt)
+        if mma and _capped_waves_fewer(programs, sms):
+            maxnreg = REGISTER_CAP
+        elif not mma and problem.state_dtype == torch.float32 and _capped_one_wave(programs, sms):
+            chunk, maxnreg = 8, REGISTER_CAP
+    elif pairs >= 512:  # wide keys: one 4-warp program streams all of V in 8 KiB chunks
+        vt, chunk, warps = 128, max(16, 8192 // (problem.key_dim * problem.state_dtype.itemsize)), 4
+        evict = True
+    elif pairs >= 128:
+        vt, chunk, warps = 64, 16, 2
+    elif pairs >= 64:  # two chunks
+        vt, chunk, warps = 64, 32, 4
+    elif pairs >= 16:  # one chunk, loaded before the ring prologue
+        vt, chunk, warps = 32, 32, 4
+    else:
+        vt, chunk, warps = 16, 16, 4
+    vt = min(vt, 1 << (problem.value_dim - 1).bit_length())
+    return vt, min(chunk, vt), warps, maxnreg, mma, evict
+
+
+def _vector_tiles(problem: DecodeProblem, vt: int, chunk: int, warps: int, mma: bool) -> int:
+    """1 where the one-warp register append loop reads the checkpoint as ``[Ko, Vc, Ki, kv]`` vector tiles (not for
+    fp32 checkpoints over value tiles below 64 rows, where it lost); 2 where a program has one chunk (the
+    pre-decayed prologue also reads its keys that way). Keys of a power-of-two width only."""
+    if problem.key_dim & (problem.key_dim - 1) or mma or warps != 1:
+        return 0
+    if problem.state_dtype == torch.float32 and vt < 64:
+        return 0
+    return 2 if vt == chunk else 1
+
+
+def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
+    """The programs that read one row's cursor (``HV * ceil(V / value_tile)``): the fused advance counts them in
+    the cursor word's upper 15 bits, so at most 32767 of them and rings of at most 65535 entries."""
+    readers = problem.num_v_heads * -(-problem.value_dim // value_tile)
+    if readers >= 1 << 15 or problem.ring_length >= 1 << 16:
+        raise ValueError(f"replayssm_decode: the fused advance counts at most {(1 << 15) - 1} programs per row and "
+                         f"rings of at most {(1 << 16) - 1} entries; got {readers} programs (HV="
+                         f"{problem.num_v_heads}, V={problem.value_dim}, value tile {value_tile}), "
+                         f"L={problem.ring_length}")
+    return readers
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_decode(problem: DecodeProblem) -> DecodePlan:
+    """The launch plan of ``problem`` (module docstring; each rule's measurement is in docs/tuning.md)."""
+    if problem.advance and not problem.cursor_table:
+        raise ValueError("replayssm_decode: the fused advance needs the pool's cursor table [S + 1]")
+    vt, chunk, warps, maxnreg, mma, evict = _grid(problem)
+    if problem.ring_layout == "sglang":
+        mode = 0
+    elif problem.gate_bounded:
+        mode = 1  # no rebase can happen: the check is compiled out
+    else:
+        mode = 3 if maxnreg is not None else 2  # under the register cap the flush branch's choice spilled
+    return DecodePlan(
+        value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
+        chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
+        tiny_batch=problem.batch * problem.num_v_heads < TINY_BATCH_BELOW,
+        vector_tiles=_vector_tiles(problem, vt, chunk, warps, mma), predecayed_ring=mode,
+        advance_readers=cursor_readers(problem, vt) if problem.advance else 0, cursor_table=problem.cursor_table,
+        ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
+        use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound)

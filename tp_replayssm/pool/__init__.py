@@ -1,0 +1,7 @@
+"""The per-rank state pool and its accounting.
+
+- :mod:`.pool`: :class:`~.pool.ReplaySSMStatePool`, the pool (its storage, decode step and cursors).
+- :mod:`.slots`: the host-side free list and the checks of slot-id arguments.
+- :mod:`.state`: ``load_state`` / ``read_state``.
+- :mod:`.memory`: bytes per slot, per layer and in total; ``slots_that_fit``.
+"""

@@ -1,0 +1,318 @@
+"""The per-rank KDA ReplaySSM state pool.
+
+One :class:`ReplaySSMStatePool` per rank holds, for every layer, the rank's shard of the decode state of
+``num_slots`` requests. Like a vLLM block pool it is one allocation per tensor kind, laid out ``[layers, slots, ...]``
+so that a layer is a view, plus a host-side free list (:mod:`.slots`):
+
+=============  ===============================  ===============  ==================================================
+tensor         shape                            dtype            meaning
+=============  ===============================  ===============  ==================================================
+``checkpoint`` ``[NL, S, HV_l, V, K]``          ``state_dtype``  the checkpoint ``S0`` (V before K)
+``d_cache``    ``[NL, S, HV_l, L, V]``          ``cache_dtype``  ring of deltas
+``k_cache``    ``[NL, S, HV_l or H_l, L, K]``   ``cache_dtype``  ring of keys: pre-decayed, one per value head; or,
+                                                                 in the sglang layout, one per q/k head
+``g_cache``    ``[NL, S, HV_l, L, K]``          fp32             ring of cumulative (pre-decayed) or per-step gates
+``cursors``    ``[S + 1]``                      int32            ring cursor per slot, shared by all layers; entry
+                                                                 ``S`` is a scratch entry padding rows use
+=============  ===============================  ===============  ==================================================
+
+The ring layouts (``ring_layout``) are described in docs/contract.md. The default, ``"predecayed"``, is the fastest
+(no scan over the ring and no exp per entry on a decode step); ``"sglang"`` is the layout SGLang's kernels use. Both
+keep every method's meaning, and ``read_state`` is always the true state.
+
+The pool owns the cursors: :meth:`decode` hands the kernel the whole cursor table, which it reads by slot;
+:meth:`advance`, once per model step after every layer decoded, moves them on the device (flushed -> 0, else +1)
+without a host sync, so a whole step can be captured in a CUDA graph. Everything runs on ``pool.device`` whatever
+the current CUDA device is. Checks that need a host sync run only in debug mode (``debug=True`` or
+``TP_REPLAYSSM_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from ..kernels import cursor
+from ..kernels.launch import run_decode
+from ..kernels.plan import DecodePlan
+from ..tp import placement
+from ..tp.devices import resolve_device
+from ..tp.heads import HeadShard, KDAHeads, shard_heads
+from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
+from . import state
+from .memory import PoolMemory, pool_memory
+from .slots import SlotTable, check_ids, host_ids, is_int, raise_slot_error
+
+__all__ = ["LayerViews", "ReplaySSMStatePool"]
+
+logger = logging.getLogger(__name__)
+
+DEBUG_ENV = "TP_REPLAYSSM_DEBUG"
+
+
+class LayerViews(NamedTuple):
+    """One layer's views into the pool: ``checkpoint [S, HV_l, V, K]``, ``d_cache [S, HV_l, L, V]``, ``k_cache
+    [S, HV_l, L, K]`` (``[S, H_l, L, K]`` in the sglang layout), ``g_cache [S, HV_l, L, K]``: the op's
+    ``initial_state`` and rings."""
+
+    checkpoint: torch.Tensor
+    d_cache: torch.Tensor
+    k_cache: torch.Tensor
+    g_cache: torch.Tensor
+
+
+class ReplaySSMStatePool:
+    """Per-rank decode state of ``num_slots`` requests over ``num_layers`` KDA layers.
+
+    ``heads`` is the GLOBAL geometry; the pool holds rank ``tp_rank`` of ``tp_size``'s shard (``pool.shard``,
+    ``pool.local_heads``). ``tp_rank``/``tp_size`` default to ``group``'s rank and size, else ``0``/``1``;
+    ``device`` defaults to the rank's current device (the current CUDA device, else the CPU). With a ``group``,
+    construction is collective (the placement check). ``ring_layout``: ``"predecayed"`` (default) or ``"sglang"``.
+    ``debug``: the checks that sync with the device.
+    """
+
+    def __init__(
+        self,
+        heads: KDAHeads,
+        *,
+        num_layers: int,
+        num_slots: int,
+        ring_length: int,
+        state_dtype: torch.dtype = torch.float32,
+        cache_dtype: torch.dtype = torch.bfloat16,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
+        group: object | None = None,
+        device: torch.device | str | int | None = None,
+        debug: bool | None = None,
+        ring_layout: str = "predecayed",
+    ) -> None:
+        where = "ReplaySSMStatePool"
+        if not isinstance(heads, KDAHeads):
+            raise ValueError(f"{where}: `heads` must be a tp_replayssm.KDAHeads; got {type(heads).__name__}")
+        for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("ring_length", ring_length)):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"{where}: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
+        if cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"{where}: `cache_dtype` must be one of {list(CACHE_DTYPES)}; got {cache_dtype!r}")
+        if ring_layout not in RING_LAYOUTS:
+            raise ValueError(f"{where}: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
+        check_ring_layout(ring_layout, cache_dtype, f"{where} (ring_layout={ring_layout!r}; an fp16 cache needs "
+                                                    "ring_layout='sglang')")
+        if group is not None:
+            import torch.distributed as dist
+
+            tp_rank = dist.get_rank(group) if tp_rank is None else tp_rank
+            tp_size = dist.get_world_size(group) if tp_size is None else tp_size
+        tp_rank = 0 if tp_rank is None else tp_rank
+        tp_size = 1 if tp_size is None else tp_size
+
+        self.heads = heads
+        self.shard: HeadShard = shard_heads(heads, tp_size, tp_rank)
+        self.local_heads: KDAHeads = self.shard.local
+        self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
+        self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
+        self.state_dtype, self.cache_dtype = state_dtype, cache_dtype
+        self.ring_layout = ring_layout
+        self.device = resolve_device(device, where)
+        self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
+
+        NL, S, L = num_layers, num_slots, ring_length
+        HV, H, K, V = (self.local_heads.num_v_heads, self.local_heads.num_q_heads, self.local_heads.key_dim,
+                       self.local_heads.value_dim)
+        kw = {"device": self.device}
+        self.checkpoint = torch.zeros(NL, S, HV, V, K, dtype=state_dtype, **kw)
+        self.d_cache = torch.zeros(NL, S, HV, L, V, dtype=cache_dtype, **kw)
+        self.k_cache = torch.zeros(NL, S, HV if self.predecayed else H, L, K, dtype=cache_dtype, **kw)
+        self.g_cache = torch.zeros(NL, S, HV, L, K, dtype=torch.float32, **kw)
+        self.cursors = torch.zeros(S + 1, dtype=torch.int32, **kw)
+
+        self._views = [LayerViews(self.checkpoint[i], self.d_cache[i], self.k_cache[i], self.g_cache[i])
+                       for i in range(NL)]
+        self._slots = SlotTable(S)
+        self._layer_checked = [False] * NL
+        self.memory: PoolMemory = pool_memory(
+            heads, tp_size=tp_size, num_layers=NL, num_slots=S, ring_length=L, state_dtype=state_dtype,
+            cache_dtype=cache_dtype, ring_layout=ring_layout)
+        self.fingerprint = placement.PoolFingerprint(
+            num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
+            value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
+            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout)
+        self._check_placement(self._pool_tensors(), f"{where}.__init__")
+        logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
+                    tp_rank, tp_size, self.device, H, HV, K, V, L, ring_layout, self.memory.describe())
+
+    # ---- views and bookkeeping ------------------------------------------------------------------
+
+    def layer(self, layer: int) -> LayerViews:
+        """The views of one layer (validated index)."""
+        self._check_layer(layer, "layer")
+        return self._views[layer]
+
+    @property
+    def predecayed(self) -> bool:
+        """The rings use the pre-decayed layout (``ring_layout="predecayed"``)."""
+        return self.ring_layout == "predecayed"
+
+    @property
+    def num_free(self) -> int:
+        return self._slots.num_free
+
+    @property
+    def num_allocated(self) -> int:
+        return self.num_slots - self._slots.num_free
+
+    def is_allocated(self, slot: int) -> bool:
+        return self._slots.is_allocated(slot)
+
+    def allocated_slots(self) -> list[int]:
+        """Ids currently handed out, ascending (host-side, no sync)."""
+        return self._slots.allocated()
+
+    def __repr__(self) -> str:
+        return (f"ReplaySSMStatePool(rank={self.tp_rank}/{self.tp_size}, device={self.device}, layers={self.num_layers}, "
+                f"slots={self.num_slots} ({self.num_free} free), L={self.ring_length}, local={self.local_heads}, "
+                f"state={self.state_dtype}, cache={self.cache_dtype}, ring_layout={self.ring_layout!r}, "
+                f"debug={self.debug})")
+
+    # ---- allocation -----------------------------------------------------------------------------
+
+    def alloc(self, n: int) -> torch.Tensor:
+        """Hand out ``n`` slots: int32 ids ``[n]`` on ``pool.device``. Each new slot's checkpoint and rings are zeroed
+        in every layer and its cursor set to 0 (device ops, no sync). Raises :class:`PoolExhaustedError` (allocating
+        nothing) when fewer than ``n`` slots are free."""
+        ids = self._slots.take(n, "ReplaySSMStatePool.alloc")
+        out = torch.tensor(ids, dtype=torch.int32, device=self.device)
+        if n:
+            idx = out.long()
+            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache):
+                t.index_fill_(1, idx, 0)
+            self.cursors.index_fill_(0, idx, 0)
+        return out
+
+    def free(self, slots: torch.Tensor | Sequence[int] | int) -> None:
+        """Return slots to the pool. A double free, an id out of ``[0, num_slots)`` or never handed out, or the same
+        id twice in one call raises ``ValueError`` and frees nothing. (A CUDA tensor of ids is read back to the host;
+        pass a list to avoid that sync.)"""
+        where = "ReplaySSMStatePool.free"
+        self._slots.give_back(host_ids(slots, where), where)
+
+    # ---- state in / out -------------------------------------------------------------------------
+
+    def load_state(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+        """Set ``layer``'s checkpoint of ``slots [n]`` to ``states [n, HV_l, V, K]`` (cast to the state dtype) and
+        empty that layer's ring of those slots. The shared cursor (and the other layers) are untouched."""
+        state.load_state(self, layer, slots, states)
+
+    def read_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The current state ``[n, HV_l, V, K]`` fp32 of ``slots [n]`` in ``layer``: checkpoint plus the replayed
+        ring entries ``j < cursor``. Changes nothing."""
+        return state.read_state(self, layer, slots)
+
+    # ---- the decode step ------------------------------------------------------------------------
+
+    def decode(
+        self,
+        layer: int,
+        mixed_qkv: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm_in_kernel: bool = True,
+        lower_bound: float | None = None,
+        force_flush: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        advance: bool = False,
+        plan: DecodePlan | None = None,
+    ) -> torch.Tensor:
+        """One decode token per row of this rank's LOCAL inputs (:class:`~tp_replayssm.tp.heads.HeadShard` slices
+        global ones): ``mixed_qkv [B, 2*H_l*K + HV_l*V]``, ``a [B, HV_l*K]`` or ``[B, HV_l, K]``, ``b [B, HV_l]``,
+        ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` or ``[HV_l, K]``, ``slots [B]`` int32 (``< 0`` = padding),
+        ``force_flush [B]`` int32 or None. Returns ``out [B, 1, HV_l, V]`` (allocated in ``mixed_qkv.dtype`` when
+        None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
+        LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
+        would. ``plan`` replaces the library's launch plan (benchmarks)."""
+        where = f"ReplaySSMStatePool.decode(layer={layer})"
+        self._check_layer(layer, "decode")
+        if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
+            out = torch.empty(mixed_qkv.shape[0], 1, self.local_heads.num_v_heads, self.local_heads.value_dim,
+                              dtype=mixed_qkv.dtype, device=self.device)
+        views = self._views[layer]
+        if not self._layer_checked[layer]:
+            inputs = {"mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias, "slots": slots,
+                      "force_flush": force_flush, "out": out}
+            tensors = {**views._asdict(), "cursors": self.cursors}
+            tensors.update({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
+            self._check_placement(tensors, where)
+            self._layer_checked[layer] = True
+        check_ids(slots, where, self.device, (torch.int32,))
+        if self.debug:
+            self._debug_check(slots, where, allow_padding=True, unique=True)
+        call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
+                          use_qk_l2norm_in_kernel, lower_bound)
+        run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
+                   where=where)
+        return out
+
+    def advance(self, slots: torch.Tensor, force_flush: torch.Tensor | None = None) -> None:
+        """Move the cursors once per model step, after every layer's :meth:`decode` of the step, with the same
+        ``slots [B]`` int32 and ``force_flush [B]`` int32 (or None) the step decoded with: a slot that flushed (cursor
+        ``L-1`` or ``force_flush != 0``) goes to 0, any other to ``cursor + 1``. Padding rows (``slots < 0``) write the
+        scratch entry; a slot listed twice gets one value (0 if any of its rows flushed). No host sync, CUDA-graph
+        capturable: on CUDA one kernel launch (:mod:`tp_replayssm.kernels.cursor`), elsewhere a few torch ops."""
+        where = "ReplaySSMStatePool.advance"
+        check_ids(slots, where, self.device, (torch.int32,))
+        B = slots.shape[0]
+        if force_flush is not None:
+            if not isinstance(force_flush, torch.Tensor) or tuple(force_flush.shape) != (B,) \
+                    or force_flush.dtype != torch.int32 or force_flush.device != self.device:
+                raise ValueError(f"{where}: `force_flush` must be None or an int32 tensor [B] = [{B}] on "
+                                 f"{self.device}; got {describe(force_flush)}")
+        if self.debug:
+            self._debug_check(slots, where, allow_padding=True, unique=False)
+        cursor.advance(self.cursors, slots, force_flush, self.ring_length)
+
+    # ---- placement ------------------------------------------------------------------------------
+
+    def verify_placement(self) -> None:
+        """The collective placement check over every pool tensor (collective when the pool has a group: every rank
+        must call it)."""
+        self._check_placement(self._pool_tensors(), "ReplaySSMStatePool.verify_placement()")
+
+    def _pool_tensors(self) -> dict[str, torch.Tensor]:
+        return {"checkpoint": self.checkpoint, "d_cache": self.d_cache, "k_cache": self.k_cache,
+                "g_cache": self.g_cache, "cursors": self.cursors}
+
+    def _check_placement(self, tensors: dict[str, torch.Tensor], context: str) -> None:
+        placement.collective_placement_check(
+            group=self.group, expected_device=self.device, require_current_device=(self.group is not None),
+            fingerprint=self.fingerprint, tensors=tensors, context=context)
+
+    # ---- validation -----------------------------------------------------------------------------
+
+    def _check_layer(self, layer: int, where: str) -> None:
+        if not is_int(layer) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"ReplaySSMStatePool.{where}: `layer` must be an int in [0, num_layers={self.num_layers}); "
+                             f"got {layer!r}")
+
+    def _debug_check(self, slots: torch.Tensor, where: str, *, allow_padding: bool, unique: bool) -> None:
+        """Debug mode only (host sync): ids in range and allocated, optionally unique, cursors in [0, L-1]."""
+        ids = [int(i) for i in slots.tolist()]
+        problems = self._slots.problems(ids, allow_padding=allow_padding, unique=unique)
+        ok = [i for i in ids if self._slots.is_allocated(i)]
+        if ok:
+            cur = self.cursors[torch.tensor(ok, dtype=torch.long, device=self.device)].tolist()
+            off = {i: c for i, c in zip(ok, cur) if not 0 <= c <= self.ring_length - 1}
+            if off:
+                problems.append(f"cursors outside [0, L-1 = {self.ring_length - 1}]: {off}")
+        raise_slot_error(f"{where} (debug check)", problems)

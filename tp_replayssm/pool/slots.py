@@ -1,0 +1,121 @@
+"""The pool's slot bookkeeping: a host-side free list, and the checks of slot-id arguments.
+
+:class:`SlotTable` hands out and takes back slot ids on the host, with no device sync (like vLLM's block pool). The
+functions below check slot-id tensors by metadata (no sync) and, in debug mode, by value (a host sync).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..errors import PoolExhaustedError, SlotError
+from ..validation import describe
+
+__all__ = ["SlotTable", "check_ids", "is_int"]
+
+
+def is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class SlotTable:
+    """Host-side free list of ``num_slots`` slot ids, handed out lowest first."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: collections.deque[int] = collections.deque(range(num_slots))
+        self._allocated = bytearray(num_slots)  # 1 = handed out
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_allocated(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and bool(self._allocated[slot])
+
+    def allocated(self) -> list[int]:
+        return [i for i in range(self.num_slots) if self._allocated[i]]
+
+    def take(self, n: int, where: str) -> list[int]:
+        """``n`` free ids (``PoolExhaustedError``, taking none, when fewer are free)."""
+        if not is_int(n) or n < 0:
+            raise ValueError(f"{where}: `n` must be a non-negative int; got {n!r}")
+        if n > len(self._free):
+            raise PoolExhaustedError(f"{where}: asked for {n} slots but only {len(self._free)} of {self.num_slots} "
+                                     "are free")
+        ids = [self._free.popleft() for _ in range(n)]
+        for i in ids:
+            self._allocated[i] = 1
+        return ids
+
+    def give_back(self, ids: list[int], where: str) -> None:
+        """Free ``ids``: an id out of range, not handed out (a double free) or given twice raises ``ValueError``
+        and frees nothing."""
+        seen: set[int] = set()
+        bad_range, not_alloc, dup = [], [], []
+        for i in ids:
+            if not 0 <= i < self.num_slots:
+                bad_range.append(i)
+            elif i in seen:
+                dup.append(i)
+            elif not self._allocated[i]:
+                not_alloc.append(i)
+            seen.add(i)
+        if bad_range or not_alloc or dup:
+            parts = []
+            if bad_range:
+                parts.append(f"ids out of range [0, {self.num_slots}): {bad_range}")
+            if not_alloc:
+                parts.append(f"ids not allocated (double free or never handed out): {not_alloc}")
+            if dup:
+                parts.append(f"ids given more than once: {dup}")
+            raise ValueError(f"{where}: nothing freed; {'; '.join(parts)}")
+        for i in ids:
+            self._allocated[i] = 0
+            self._free.append(i)
+
+    def problems(self, ids: Sequence[int], *, allow_padding: bool, unique: bool) -> list[str]:
+        """What is wrong with these ids by value (the debug checks): out of range or not allocated, repeated."""
+        live = [i for i in ids if i >= 0] if allow_padding else list(ids)
+        problems = []
+        bad = [i for i in live if not self.is_allocated(i)]
+        if bad:
+            problems.append(f"slots out of range [0, {self.num_slots}) or not allocated: {bad}")
+        if unique:
+            dups = sorted({i for i in live if live.count(i) > 1})
+            if dups:
+                problems.append(f"slots given more than once in one call: {dups}")
+        return problems
+
+
+def check_ids(slots: object, where: str, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """A slot-id argument must be a 1-D tensor of one of ``dtypes`` on ``device`` (metadata only, no sync)."""
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in dtypes or slots.device != device:
+        names = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"{where}: `slots` must be a 1-D {names} tensor on {device}; got {describe(slots)}")
+    return slots
+
+
+def host_ids(slots: object, where: str) -> list[int]:
+    """Slot ids given as an int, a sequence of ints or a 0-/1-D integer tensor, as a list (a CUDA tensor is read
+    back to the host)."""
+    if is_int(slots):
+        return [slots]
+    if isinstance(slots, torch.Tensor):
+        if slots.dim() > 1 or slots.dtype.is_floating_point or slots.dtype.is_complex or slots.dtype == torch.bool:
+            raise ValueError(f"{where}: `slots` must be an int, a sequence of ints or a 0-/1-D integer tensor; got "
+                             f"{describe(slots)}")
+        return [int(i) for i in slots.reshape(-1).tolist()]
+    if isinstance(slots, Iterable) and not isinstance(slots, (str, bytes)):
+        ids = list(slots)
+        if all(is_int(i) for i in ids):
+            return ids
+    raise ValueError(f"{where}: `slots` must be an int, a sequence of ints or a 0-/1-D integer tensor; got {slots!r}")
+
+
+def raise_slot_error(where: str, problems: list[str]) -> None:
+    if problems:
+        raise SlotError(f"{where}: {'; '.join(problems)}")

@@ -1,0 +1,62 @@
+"""Setting and reading the state of a pool's slots: ``load_state`` and ``read_state``.
+
+Both sync with the device anyway (they take or return whole states), so both may run the debug slot checks.
+``read_state`` replays the ring in the pool's layout (:mod:`tp_replayssm.reference`), so it is always the true
+state; ``load_state`` sets the checkpoint and zeroes the layer's ring entries, so that replaying the entries
+``j < cursor`` is the identity whatever the shared cursor is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..reference import replay_predecayed_ring, replay_ring
+from ..validation import describe
+from .slots import check_ids
+
+if TYPE_CHECKING:
+    from .pool import ReplaySSMStatePool
+
+__all__ = ["load_state", "read_state"]
+
+
+def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """:meth:`ReplaySSMStatePool.load_state`."""
+    where = "ReplaySSMStatePool.load_state"
+    pool._check_layer(layer, "load_state")
+    check_ids(slots, where, pool.device, (torch.int32, torch.int64))
+    n = slots.shape[0]
+    HV, V, K = pool.local_heads.num_v_heads, pool.local_heads.value_dim, pool.local_heads.key_dim
+    if not isinstance(states, torch.Tensor):
+        raise ValueError(f"{where}: `states` must be a torch.Tensor; got {describe(states)}")
+    if tuple(states.shape) != (n, HV, V, K):
+        raise ValueError(f"{where}: `states` must have shape [n, HV_l, V, K] = {[n, HV, V, K]}; got "
+                         f"{list(states.shape)}")
+    if not states.dtype.is_floating_point:
+        raise ValueError(f"{where}: `states` must have a floating dtype (cast to {pool.state_dtype}); got "
+                         f"{states.dtype}")
+    if states.device != pool.device:
+        raise ValueError(f"{where}: `states` must be on {pool.device}; got {states.device}")
+    if pool.debug:
+        pool._debug_check(slots, where, allow_padding=False, unique=True)
+    idx = slots.long()
+    views = pool.layer(layer)
+    views.checkpoint.index_copy_(0, idx, states.to(pool.state_dtype))
+    for ring in (views.d_cache, views.k_cache, views.g_cache):
+        ring.index_fill_(0, idx, 0)
+
+
+def read_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.read_state`."""
+    where = "ReplaySSMStatePool.read_state"
+    pool._check_layer(layer, "read_state")
+    check_ids(slots, where, pool.device, (torch.int32, torch.int64))
+    if pool.debug:
+        pool._debug_check(slots, where, allow_padding=False, unique=False)
+    idx = slots.long()
+    S0, d, k, g, cursor = (t.index_select(0, idx) for t in (*pool.layer(layer), pool.cursors))
+    if pool.predecayed:
+        return replay_predecayed_ring(S0, d, k, g, cursor)
+    return replay_ring(S0, d, k.repeat_interleave(pool.local_heads.group, dim=1), g, cursor)
