@@ -1,7 +1,9 @@
 """Shared pytest setup.
 
-On a machine without CUDA the Helion kernel runs in the Triton interpreter: ``TRITON_INTERPRET=1`` must
-be set before helion/triton are imported, so it is set here, at conftest import time.
+Calls on CPU tensors run the library's PyTorch path by default. The tests also run the Helion kernels themselves in
+Triton's interpreter (one case per kernel path): the ``interpreter`` fixture switches the CPU backend for a test.
+Triton decides at import time whether it interprets, so ``TRITON_INTERPRET=1`` is set here, before anything imports
+triton, on machines without CUDA.
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def interpreter():  # noqa: ANN201 - a pytest fixture
+    """Run the Helion kernels in Triton's interpreter for calls on CPU tensors during the test."""
+    from tp_replayssm.kernels.backend import use_cpu_backend
+
+    with use_cpu_backend("interpreter"):
+        yield
+
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest hook
     """Skip ``gpu`` tests without CUDA and ``multigpu`` tests with fewer than two GPUs."""
-    import pytest
-
     n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "gpu" in item.keywords and n_gpus < 1:
