@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pool.slots import SlotGuard, record_bad_rows
 from .validation import PREDECAYED_MAX_LOG_DECAY, DecodeCall, DecodeDims, resolve_scale, validate_decode
 
 
@@ -125,11 +126,13 @@ def replayssm_decode(
 
 
 def decode_rows(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_table: bool = False,
-                advance: bool = False) -> None:
+                advance: bool = False, guard: SlotGuard | None = None) -> None:
     """The decode of a validated call, in place (see :func:`replayssm_decode`).
 
     ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]`` (row ``b`` reads
-    ``write_pos[slot_b]``); ``advance`` then moves those cursors afterwards (0 after a flush, else ``c + 1``).
+    ``write_pos[slot_b]``); ``advance`` then moves those cursors afterwards (0 after a flush, else ``c + 1``). With the
+    table, a row whose slot another row of the call also names is a padding row too, and so is a row whose slot is
+    free (its cursor is ``FREE_CURSOR``); ``guard`` records every such bad row.
     In the pre-decayed layout ``k_cache [S, HV, L, K]`` holds ``k_j * exp(-G_j)`` per value head and ``g_cache`` the
     cumulative gates ``G_j``; an append at ``c`` writes ``G_c = G_{c-1} + g`` and ``k * exp(-G_c)``. Where ``G_c``
     falls below ``-PREDECAYED_MAX_LOG_DECAY`` (-75) in some key lane, that (row, value head) REBASES instead of
@@ -157,6 +160,12 @@ def decode_rows(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_
     else:
         c_all = write_pos.long()
     live = in_range & (c_all >= 0) & (c_all <= L - 1)  # anything else would address outside its slot: padding
+    if cursor_table:  # the pool's calls: a slot named by two rows is refused for both
+        idx = torch.where(in_range, slots_all, S)
+        named = torch.zeros(S + 1, dtype=torch.long, device=idx.device).index_add_(0, idx, in_range.long())
+        live = live & (named[idx] == 1)
+        if guard is not None:
+            record_bad_rows(guard.errors, guard.code, (slots_all >= 0) & ~live, ssm_state_indices)
     rows = live.nonzero().squeeze(1)
     s = slots_all[rows]
     c = c_all[rows]
@@ -201,7 +210,7 @@ def decode_rows(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_
         g_cache[s[nf], :, c[nf]] = gv[nf]
         # every value head of a q/k head carries the same key: store it once per q/k head
         k_cache[s[nf], :, c[nf]] = k[rows][nf].to(k_cache.dtype)
-    if advance:
+    if advance:  # (bad rows are recorded once, above)
         from .kernels.cursor import advance_torch
 
         advance_torch(write_pos, ssm_state_indices, force_flush, L)

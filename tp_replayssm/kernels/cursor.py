@@ -21,7 +21,9 @@ import torch
 import helion
 import helion.language as hl
 
+from ..pool.slots import SlotGuard, record_bad_rows
 from . import direct
+from .backend import runs_kernel
 from .launch import no_flush
 
 __all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
@@ -36,6 +38,8 @@ def cursor_advance_kernel(
     cursors: torch.Tensor,  # [S + 1] int32, entry S is the scratch entry
     slots: torch.Tensor,  # [B] int32, < 0 = padding
     force_flush: torch.Tensor,  # [B] int32
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32, the pool's record of bad rows
+    call_code: torch.Tensor,  # [1] int32, what this call records (pool.slots.call_code)
     ring_length: int,
 ) -> torch.Tensor:
     """Advance ``cursors`` in place for the rows ``slots`` (module docstring); one program."""
@@ -45,13 +49,28 @@ def cursor_advance_kernel(
     hl.pdl_launch_dependents()
     for tile_b in hl.tile(B):
         slot = slots[tile_b]
-        idx = torch.where(slot >= 0, slot, scratch)
-        c = hl.load(cursors, [idx])
+        in_range = (slot >= 0) & (slot < scratch)
+        idx = torch.where(in_range, slot, scratch)  # padding and out-of-range rows read the scratch entry
+        # count the rows that name each slot in the entry's upper bits (65536 = CURSOR_READER; padding adds 0)
+        hl.atomic_add(cursors, [idx], torch.where(in_range, 65536, 0))
+        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every count before any read
+        word = hl.load(cursors, [idx])
+        c = word & 65535
+        ok = in_range & (word < 131072) & (c < ring_length)  # named once, and allocated (a free slot's c is FREE)
         flushed = (c >= ring_length - 1) | (force_flush[tile_b] != 0)
-        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every gather before any store
-        hl.store(cursors, [idx], torch.where(flushed, 0, c + 1))
-        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every c+1 before the flush zeros
-        hl.store(cursors, [idx], torch.zeros_like(c), extra_mask=flushed)
+        hl.inline_triton(_BARRIER, args=(), output_like=None)  # every read before any store
+        # the moved cursor, or the cursor as it was (its count cleared) for a bad row or the scratch entry
+        hl.store(cursors, [idx], torch.where(ok, torch.where(flushed, 0, c + 1), c))
+        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record)
+        bad = (slot >= 0) & (ok == 0)
+        code = hl.load(call_code, [idx * 0])
+        first = hl.atomic_cas(slot_errors, [idx * 0], torch.where(bad, 0, -1), code)  # a good row never matches -1
+        hl.atomic_add(slot_errors, [idx * 0 + 2], torch.where(bad, 1, 0))
+        mine = bad & ((first == 0) | (first == code))
+        at = hl.atomic_add(slot_errors, [idx * 0 + 1], torch.where(mine, 1, 0))
+        keep = mine & (at < 8)  # RECORDED_ROWS
+        hl.store(slot_errors, [4 + 2 * at], tile_b.index, extra_mask=keep)
+        hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
     return cursors
 
 
@@ -74,7 +93,7 @@ def advance_kernel_for(block: int, num_warps: int) -> helion.Kernel:
 
 
 def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
-                   ring_length: int) -> None:
+                   ring_length: int, guard: SlotGuard) -> None:
     """One kernel launch: ``cursors [S+1]``, ``slots [B]``, ``force_flush [B]`` int32 (or None) on one
     device, ``1 <= B <= MAX_ROWS``. No validation (the pool validates); the caller makes the device
     current. On CUDA, repeated calls of the same metadata launch the compiled kernel directly
@@ -86,23 +105,32 @@ def advance_launch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torc
     block, warps = launch_choice(B)
     kern = advance_kernel_for(block, warps)
     DIRECT_PLANS.launch(kern, kern.configs[0],
-                        lambda: direct.LaunchArgs((cursors, slots, force_flush, ring_length), (0, 1, 2, None), {}),
-                        (cursors, slots, force_flush), cursors.device, (int(ring_length),))
+                        lambda: direct.LaunchArgs((cursors, slots, force_flush, *guard, ring_length),
+                                                  (0, 1, 2, 3, 4, None), {}),
+                        (cursors, slots, force_flush, *guard), cursors.device, (int(ring_length),))
 
 
 DIRECT_PLANS = direct.PlanCache("cursor_advance")
 
 
 def advance_torch(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
-                  ring_length: int) -> None:
-    """The same update as torch ops (CPU pools, ``B > MAX_ROWS``): the reference for the kernel."""
-    idx = torch.where(slots >= 0, slots, cursors.shape[0] - 1).long()
+                  ring_length: int, guard: SlotGuard | None = None) -> None:
+    """The same update as torch ops (CPU pools, ``B > MAX_ROWS``), the reference for the kernel: a row whose slot is
+    in range, named once and allocated moves its cursor; any other row changes nothing (a bad one is recorded in
+    ``guard``). No host sync."""
+    S = cursors.shape[0] - 1
+    in_range = (slots >= 0) & (slots < S)
+    idx = torch.where(in_range, slots, S).long()
+    named = torch.zeros(S + 1, dtype=torch.int32, device=cursors.device).index_add_(0, idx, in_range.int())
     cur = cursors.index_select(0, idx)
+    ok = in_range & (named.index_select(0, idx) == 1) & (cur >= 0) & (cur < ring_length)
     flushed = cur >= ring_length - 1
     if force_flush is not None:
         flushed = flushed | (force_flush != 0)
-    new = torch.where(flushed, torch.zeros_like(cur), cur + 1)
-    cursors.scatter_reduce_(0, idx, new, reduce="amin", include_self=False)
+    # every row writes its own entry: a bad row and the scratch entry the value they hold, so repeats agree
+    cursors.scatter_(0, idx, torch.where(ok, torch.where(flushed, torch.zeros_like(cur), cur + 1), cur))
+    if guard is not None:
+        record_bad_rows(guard.errors, guard.code, (slots >= 0) & ~ok, slots)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,13 +138,14 @@ def _warn_fallback(batch: int) -> None:  # once per batch size
     logger.warning("cursor advance: %d rows > MAX_ROWS=%d, using the torch ops (several launches)", batch, MAX_ROWS)
 
 
-def advance(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None,
-            ring_length: int) -> None:
-    """The pool's dispatch: the kernel on CUDA for ``1 <= B <= MAX_ROWS``, else the torch ops."""
+def advance(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None, ring_length: int,
+            guard: SlotGuard) -> None:
+    """The pool's dispatch: the kernel for ``1 <= B <= MAX_ROWS`` where kernels run (:mod:`.backend`), else the
+    torch ops."""
     B = slots.shape[0]
-    if cursors.device.type == "cuda" and 0 < B <= MAX_ROWS:
-        advance_launch(cursors, slots, force_flush, ring_length)
+    if B and runs_kernel(cursors.device, "ReplaySSMStatePool.advance") and B <= MAX_ROWS:
+        advance_launch(cursors, slots, force_flush, ring_length, guard)
     elif B:
         if cursors.device.type == "cuda":
             _warn_fallback(B)
-        advance_torch(cursors, slots, force_flush, ring_length)
+        advance_torch(cursors, slots, force_flush, ring_length, guard)

@@ -23,8 +23,13 @@ keep every method's meaning, and ``read_state`` is always the true state.
 The pool owns the cursors: :meth:`decode` hands the kernel the whole cursor table, which it reads by slot;
 :meth:`advance`, once per model step after every layer decoded, moves them on the device (flushed -> 0, else +1)
 without a host sync, so a whole step can be captured in a CUDA graph. Everything runs on ``pool.device`` whatever
-the current CUDA device is. Checks that need a host sync run only in debug mode (``debug=True`` or
-``TP_REPLAYSSM_DEBUG=1``).
+the current CUDA device is.
+
+Slot safety: a row of any call that takes slots whose slot is out of range, not allocated (a free slot's cursor is
+``FREE_CURSOR``), or repeated within the call is treated as a padding row by the kernels themselves, with no host
+sync (zero output; no byte of any slot changes), and recorded in ``slot_errors``; :meth:`check` raises the record
+as a :class:`~tp_replayssm.errors.SlotError`. Debug mode (``debug=True`` or ``TP_REPLAYSSM_DEBUG=1``) checks every
+call's slots on the host first and raises at the call.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
 from . import state
 from .memory import PoolMemory, pool_memory
-from .slots import SlotTable, check_ids, host_ids, is_int, raise_slot_error
+from ..errors import SlotError
+from .slots import (ERROR_WORDS, FREE_CURSOR, SlotGuard, SlotTable, call_code, check_ids, describe_record, host_ids,
+                    is_int, raise_slot_error)
 
 __all__ = ["LayerViews", "ReplaySSMStatePool"]
 
@@ -131,7 +138,11 @@ class ReplaySSMStatePool:
         self.d_cache = torch.zeros(NL, S, HV, L, V, dtype=cache_dtype, **kw)
         self.k_cache = torch.zeros(NL, S, HV if self.predecayed else H, L, K, dtype=cache_dtype, **kw)
         self.g_cache = torch.zeros(NL, S, HV, L, K, dtype=torch.float32, **kw)
-        self.cursors = torch.zeros(S + 1, dtype=torch.int32, **kw)
+        # a free slot's cursor is FREE_CURSOR (slot safety: the kernels refuse rows of free slots); S is the scratch
+        self.cursors = torch.full((S + 1,), FREE_CURSOR, dtype=torch.int32, **kw)
+        self.cursors[S] = 0
+        self.slot_errors = torch.zeros(ERROR_WORDS, dtype=torch.int32, **kw)  # the record pool.check() reads
+        self._codes: dict[tuple[str, int | None], torch.Tensor] = {}
 
         self._views = [LayerViews(self.checkpoint[i], self.d_cache[i], self.k_cache[i], self.g_cache[i])
                        for i in range(NL)]
@@ -201,7 +212,30 @@ class ReplaySSMStatePool:
         id twice in one call raises ``ValueError`` and frees nothing. (A CUDA tensor of ids is read back to the host;
         pass a list to avoid that sync.)"""
         where = "ReplaySSMStatePool.free"
-        self._slots.give_back(host_ids(slots, where), where)
+        ids = host_ids(slots, where)
+        self._slots.give_back(ids, where)
+        if ids:  # the kernels now refuse rows that name these slots
+            self.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=self.device), FREE_CURSOR)
+
+    # ---- slot safety ----------------------------------------------------------------------------
+
+    def guard(self, method: str, layer: int | None = None) -> SlotGuard:
+        """The error record and this call's code, for a kernel that takes slots (one code tensor per call kind)."""
+        key = (method, layer)
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = torch.tensor([call_code(method, layer)], dtype=torch.int32, device=self.device)
+        return SlotGuard(self.slot_errors, code)
+
+    def check(self) -> None:
+        """Raise :class:`SlotError` for the first call since the last check that named a bad slot (out of range,
+        not allocated, or repeated within the call), naming its method, layer, rows and slot ids; then clear the
+        record. The kernels treated those rows as padding rows (zero output, nothing written). Syncs with the
+        device (it reads the record back)."""
+        message = describe_record(self.slot_errors.tolist())
+        if message is not None:
+            self.slot_errors.zero_()
+            raise SlotError(message)
 
     # ---- state in / out -------------------------------------------------------------------------
 
@@ -261,15 +295,16 @@ class ReplaySSMStatePool:
         call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
                           use_qk_l2norm_in_kernel, lower_bound)
         run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
-                   where=where)
+                   guard=self.guard("decode", layer), where=where)
         return out
 
     def advance(self, slots: torch.Tensor, force_flush: torch.Tensor | None = None) -> None:
         """Move the cursors once per model step, after every layer's :meth:`decode` of the step, with the same
         ``slots [B]`` int32 and ``force_flush [B]`` int32 (or None) the step decoded with: a slot that flushed (cursor
-        ``L-1`` or ``force_flush != 0``) goes to 0, any other to ``cursor + 1``. Padding rows (``slots < 0``) write the
-        scratch entry; a slot listed twice gets one value (0 if any of its rows flushed). No host sync, CUDA-graph
-        capturable: on CUDA one kernel launch (:mod:`tp_replayssm.kernels.cursor`), elsewhere a few torch ops."""
+        ``L-1`` or ``force_flush != 0``) goes to 0, any other to ``cursor + 1``. Padding rows (``slots < 0``) change
+        nothing; so do bad rows (a slot out of range, free, or named twice), which are recorded for :meth:`check`.
+        No host sync, CUDA-graph capturable: on CUDA one kernel launch (:mod:`tp_replayssm.kernels.cursor`),
+        elsewhere a few torch ops."""
         where = "ReplaySSMStatePool.advance"
         check_ids(slots, where, self.device, (torch.int32,))
         B = slots.shape[0]
@@ -280,18 +315,19 @@ class ReplaySSMStatePool:
                                  f"{self.device}; got {describe(force_flush)}")
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=False)
-        cursor.advance(self.cursors, slots, force_flush, self.ring_length)
+        cursor.advance(self.cursors, slots, force_flush, self.ring_length, self.guard("advance"))
 
     # ---- placement ------------------------------------------------------------------------------
 
     def verify_placement(self) -> None:
         """The collective placement check over every pool tensor (collective when the pool has a group: every rank
-        must call it)."""
+        must call it), then :meth:`check` (after the exchange, so a rank's SlotError never leaves its peers waiting)."""
         self._check_placement(self._pool_tensors(), "ReplaySSMStatePool.verify_placement()")
+        self.check()
 
     def _pool_tensors(self) -> dict[str, torch.Tensor]:
         return {"checkpoint": self.checkpoint, "d_cache": self.d_cache, "k_cache": self.k_cache,
-                "g_cache": self.g_cache, "cursors": self.cursors}
+                "g_cache": self.g_cache, "cursors": self.cursors, "slot_errors": self.slot_errors}
 
     def _check_placement(self, tensors: dict[str, torch.Tensor], context: str) -> None:
         placement.collective_placement_check(

@@ -1,6 +1,8 @@
 """Setting and reading the state of a pool's slots: ``load_state`` and ``read_state``.
 
-Both sync with the device anyway (they take or return whole states), so both may run the debug slot checks.
+Both sync with the device anyway (they take or return whole states), so both first report earlier bad calls
+(``pool.check()``) and then check their own slot ids on the host: an id out of range or not allocated (and, for
+``load_state``, one given twice) raises :class:`~tp_replayssm.errors.SlotError` before anything is read or written.
 ``read_state`` replays the ring in the pool's layout (:mod:`tp_replayssm.reference`), so it is always the true
 state; ``load_state`` sets the checkpoint and zeroes the layer's ring entries, so that replaying the entries
 ``j < cursor`` is the identity whatever the shared cursor is.
@@ -14,7 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from .slots import check_ids
+from .slots import check_ids, raise_slot_error
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -39,8 +41,7 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                          f"{states.dtype}")
     if states.device != pool.device:
         raise ValueError(f"{where}: `states` must be on {pool.device}; got {states.device}")
-    if pool.debug:
-        pool._debug_check(slots, where, allow_padding=False, unique=True)
+    _check_slots(pool, slots, where, unique=True)
     idx = slots.long()
     views = pool.layer(layer)
     views.checkpoint.index_copy_(0, idx, states.to(pool.state_dtype))
@@ -53,10 +54,15 @@ def read_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> tor
     where = "ReplaySSMStatePool.read_state"
     pool._check_layer(layer, "read_state")
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
-    if pool.debug:
-        pool._debug_check(slots, where, allow_padding=False, unique=False)
+    _check_slots(pool, slots, where, unique=False)
     idx = slots.long()
     S0, d, k, g, cursor = (t.index_select(0, idx) for t in (*pool.layer(layer), pool.cursors))
     if pool.predecayed:
         return replay_predecayed_ring(S0, d, k, g, cursor)
     return replay_ring(S0, d, k.repeat_interleave(pool.local_heads.group, dim=1), g, cursor)
+
+
+def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, unique: bool) -> None:
+    pool.check()
+    raise_slot_error(where, pool._slots.problems([int(i) for i in slots.tolist()], allow_padding=False,
+                                                 unique=unique))
