@@ -68,9 +68,10 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import decode
     from tp_replayssm.kernels.args import decode_kernel_args
+    from tp_replayssm.kernels.launch import spare_guard
 
     call, dims = example_call(plan, state, heads)
-    args = decode_kernel_args(call, dims, plan, 0.1, call.force_flush).values
+    args = decode_kernel_args(call, dims, plan, 0.1, call.force_flush, spare_guard(torch.device("cpu"))).values
     config, maxnreg = plan.config, plan.maxnreg
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or decode.replayssm_decode_kernel

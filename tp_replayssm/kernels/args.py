@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from ..pool.slots import SlotGuard
 from ..validation import CALL_TENSORS, DecodeCall, DecodeDims
 from .decode import replayssm_decode_kernel
 from .direct import LaunchArgs
@@ -29,7 +30,7 @@ __all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "rows_view", "vector_tiles_
 # 16-byte vectors of a checkpoint row per thread in the append loop's vector tiles (docs/tuning.md, vector tiles)
 VECTORS_PER_LANE = 4
 _PARAMS = tuple(inspect.signature(replayssm_decode_kernel).parameters)
-_SOURCE = {name: i for i, name in enumerate(CALL_TENSORS)}
+_SOURCE = {name: i for i, name in enumerate((*CALL_TENSORS, "slot_errors", "call_code"))}
 
 
 def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -65,8 +66,10 @@ def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Te
 
 
 def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, scale: float,
-                       force_flush: torch.Tensor) -> LaunchArgs:
-    """The kernel's arguments for a validated call (``force_flush``: the call's, or zeros when it passed None)."""
+                       force_flush: torch.Tensor, guard: SlotGuard) -> LaunchArgs:
+    """The kernel's arguments for a validated call (``force_flush``: the call's, or zeros when it passed None;
+    ``guard``: the pool's error record and call code, a spare pair for the op). Sources index the launch's inputs:
+    the call's tensors (:data:`CALL_TENSORS`), then ``guard.errors`` and ``guard.code``."""
     B, H, HV, K, V = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
     mixed_qkv, a, dt_bias, out = call.mixed_qkv, call.a, call.dt_bias, call.out
     # one as_strided per view (a slice plus an unflatten costs twice the host time, which eager decode pays on
@@ -96,8 +99,10 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
         "slots": (call.ssm_state_indices, "ssm_state_indices"),
         "write_pos": (call.write_pos, "write_pos"),
         "force_flush": (force_flush, "force_flush"),
+        "slot_errors": (guard.errors, "slot_errors"),
+        "call_code": (guard.code, "call_code"),
     }
-    scalars = {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
+    scalars = {"scale": scale, "num_slots": dims.num_slots, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
                **dict(zip(("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h",
                            "gr_l"), (*st, *dr, *kr, *gr))),
                **plan.constexprs()}

@@ -45,6 +45,9 @@ def replayssm_decode_kernel(
     slots: torch.Tensor,  # [B] int32
     write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
     force_flush: torch.Tensor,  # [B] int32 (zeros when the caller passed None)
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (pool.slots)
+    call_code: torch.Tensor,  # [1] int32: what this call records there
+    num_slots: int,  # S: a row whose slot is >= S is refused
     scale: float,
     lower_bound: float,
     st_s: int, st_h: int, st_v: int,  # checkpoint element strides (slot, head, value row)
@@ -62,6 +65,7 @@ def replayssm_decode_kernel(
     predecayed_ring: hl.constexpr,  # 0: sglang layout; pre-decayed 1: no rebase possible, 2/3: rebases (docs/kernel_design.md)
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (docs/kernel_design.md)
     vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
+    named_block: hl.constexpr = 16,  # rows per step of the scan that counts how many rows name a slot
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -92,7 +96,10 @@ def replayssm_decode_kernel(
             k_owner = sub == 0  # the q/k head's first value head appends its key
         slot = slots[row]
         if slot >= 0:
-            s64 = slot.to(torch.int64)
+            # slot safety (docs/contract.md): a slot >= S, a cursor outside [0, L-1] (a free slot's is FREE_CURSOR)
+            # or, in the pool's calls, a slot that two rows name makes this a padding row; the address stays in range
+            in_range = slot < num_slots
+            s64 = torch.where(in_range, slot, 0).to(torch.int64)
             st_base = s64 * st_s + hv * st_h
             dr_base = s64 * dr_s + hv * dr_h
             # first value chunk's loads go out now, so their latency overlaps the ring math below
@@ -104,16 +111,26 @@ def replayssm_decode_kernel(
             elif not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
             if advance_cursors:  # the fused advance (docs/kernel_design.md): the read is an atomic count of the readers
-                # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument). The flush
-                # flag is read here too: `forced` below keeps its place in the code of the kernels without the flag
-                counted = hl.atomic_add(write_pos, [s64], 65536)  # cursor | (readers before this one) << 16
+                # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument)
+                counted = hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))  # cursor | readers << 16
                 cur = counted & 65535
-                if counted >= (advance_cursors - 1) * 65536:  # the row's last reader: the others have read
-                    write_pos[s64] = torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1)
             elif cursors_by_slot:
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
                 cur = write_pos[row]
+            ok = in_range & (cur >= 0) & (cur < ring_length)
+            if cursors_by_slot:  # how many rows of the call name this slot (the scan overlaps the cursor read)
+                named = slot * 0
+                for nb in hl.grid(0, B, named_block):
+                    others = nb + hl.arange(named_block)
+                    same = (hl.load(slots, [others], extra_mask=others < B) == slot) & (others < B)
+                    named = named + torch.sum(torch.where(same, 1, 0), dim=0).to(torch.int32)
+                ok = ok & (named == 1)
+            if advance_cursors:  # the last of the readers of this word (every row naming the slot) stores it
+                if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):
+                    write_pos[s64] = torch.where(
+                        ok, torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1), cur)
+            cur = torch.where(ok, cur, 0)  # a refused row still addresses its slot's first ring entry only
             forced = force_flush[row]
             append = (cur != ring_length - 1) & (forced == 0)  # else this step flushes the row
             j = hl.arange(ring_block)
@@ -135,210 +152,223 @@ def replayssm_decode_kernel(
             else:
                 k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
                                  extra_mask=ring_mask[:, None])
-            q, k = qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
-            x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
-            g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
-            beta = torch.sigmoid(b2[row, hv].to(torch.float32))
-            eg = torch.exp(g)
-            keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
-            if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
-                tot = torch.where(cur > 0, g_last, 0.0)
-                g_cum = tot + g  # G_c
-                e_new = torch.exp(g_cum)  # the new state's decay; kt_j*e_new = k_j*exp(G_c - G_j) (see below)
-                ak = e_new * k  # S0 @ ak = the checkpoint's part of S' @ k
-                aq = e_new * q
-                if vector_tiles == 2:  # wk, wq over [Ko, Lb, Ki, kv] tiles: in-thread sums and log2(Ko) shuffle rounds
-                    ak_loop, aq_loop = vector_tile(ak, state_vecs), vector_tile(aq, state_vecs)
-                    kt = k_tiles.to(torch.float32)
-                    if tiny_batch:  # the whole ring was loaded; the live-entry load returns 0 past the cursor
-                        kt = torch.where(valid[None, :, None, None], kt, 0.0)
-                    wk = row_dots(kt, ak_loop)  # [Lb]
-                    wq = row_dots(kt, aq_loop)
-                else:
-                    kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
-                    wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
-                    wq = torch.sum(kdec * aq[None, :], dim=1)
-                # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
-                # k*exp(-G_c) (docs/kernel_design.md); never under (L-1)*|lower_bound| <= the bound
-                if predecayed_ring >= 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
-                    rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
-                if predecayed_ring == 2:  # 2: through the flush branch
-                    append = append & (rebase == 0)
-                    emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
-                if predecayed_ring == 3:  # 3: the append loop (the cursor alone chooses it), then a pass of its own
-                    keep = rebase == 0
-                    d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
-            else:  # (spelled apart from the branch above: this statement order keeps the sglang path's registers)
-                kdec, tot = decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
-                g_cum = g  # (the g ring holds gates, not sums)
-                xk = eg * k
-                xq = eg * q
-                wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
-                wq = torch.sum(kdec * xq[None, :], dim=1)
-                et = torch.exp(tot)
-                ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
-                aq = et * xq
-            kq = torch.sum(k * q, dim=0)
-            ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
-            if vector_tiles:  # the append loop's [Ko, 1, Ki, kv] (the pre-decayed prologue's key tiles made them above)
-                if not (predecayed_ring and vector_tiles == 2):
-                    ak_loop, aq_loop = vector_tile(ak, state_vecs), vector_tile(aq, state_vecs)
-            else:
-                ak_loop, aq_loop = ak_row, aq_row
-            if append:  # every step but the flush: outputs and the ring append of delta
-                if vector_tiles:  # the ring entries at c (g, and k per k-ring head) before the loop: no program of the
-                    # launch reads entry c (a whole-ring load masks it); written after the loop, they spilled here
-                    if tv.begin == 0:
-                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_entry(g, g_cum, keep, predecayed_ring)
-                        if k_owner:
-                            k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = k_entry(
-                                k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
-                if mma_chunks:  # the chunk products on tensor cores (docs/kernel_design.md)
-                    col = hl.arange(16)[None, :]
-                    a_mat = split3_columns(ak[:, None], aq[:, None], col)  # [K, 16] bf16
-                    w_mat = split3_columns(wk_col, wq_col, col)  # [Lb, 16] bf16
-                    k_col = col < 8  # columns of the k products
-                    for mchunk in hl.grid(tv.begin, tv.end, value_chunk):
-                        mrows = mchunk + hl.arange(value_chunk)
-                        mlive = mrows < tv.end
-                        mS0 = hl.load(state_rows, [st_base + mrows * st_v, slice(None)], extra_mask=mlive[:, None])
-                        md_ring = hl.load(d_rows, [dr_base + j * dr_l, mrows],
-                                          extra_mask=valid[:, None] & mlive[None, :])  # dead entries load 0
-                        prod = hl.dot(md_ring.T, w_mat, acc=hl.dot(mS0, a_mat))  # [Vc, 16] fp32
-                        mspk = torch.sum(torch.where(k_col, prod, 0.0), dim=1)  # S' @ k
-                        mspq = torch.sum(torch.where(k_col, 0.0, prod), dim=1)  # S' @ q
-                        mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
-                        mdelta = beta * (mv_c - mspk)
-                        hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
-                        if predecayed_ring == 3:  # a rebasing head stores none
-                            mlive = mlive & (mrows < d_end)
-                        hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
-                else:  # row reductions in registers, the next chunk's loads in flight
-                    for chunk in hl.grid(tv.begin, tv.end, value_chunk):
-                        rows = chunk + hl.arange(value_chunk)
-                        live = rows < tv.end
-                        S0 = S_next.to(torch.float32)  # [Ko, Vc, Ki, kv] (vector_tiles) or [Vc, K]
-                        d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                        after = rows + value_chunk  # prefetch the next chunk (masked after the last)
-                        if vector_tiles:
-                            S_next = hl.load(state_vecs, [slice(None), st_base + after * st_v, slice(None),
-                                                          slice(None)],
-                                             extra_mask=(after < tv.end)[None, :, None, None])
-                        else:
-                            S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                             extra_mask=(after < tv.end)[:, None])
-                        d_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), after],
-                                         extra_mask=valid[:, None] & (after < tv.end)[None, :])
-                        v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                        delta, out = chunk_outputs(S0, d_ring, v_c, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
-                        hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
-                        if predecayed_ring == 3:  # a rebasing head stores none
-                            live = live & (rows < d_end)
-                        hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
-                if not vector_tiles:  # the ring entries at c, as above
-                    if tv.begin == 0:
-                        g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_entry(g, g_cum, keep, predecayed_ring)
-                        if k_owner:
-                            k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = k_entry(
-                                k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
-                if predecayed_ring == 3:
-                    # A rebase: a second pass over the value tile folds the ring and this step's delta into the
-                    # checkpoint, S0*exp(G_c) + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (the ring
-                    # replayed as rank-1 updates: rebases are rare), then zeroes the deltas j <= c behind a CTA
-                    # barrier (other threads' loads of those rows must be done: Helion does not order a
-                    # write-after-read). Mode 2 takes the flush branch instead: a data-dependent choice of loop,
-                    # which made the 168-register programs spill on every step (docs/tuning.md)
-                    if rebase:
-                        for zchunk in hl.grid(tv.begin, tv.end, value_chunk):
-                            zrows = zchunk + hl.arange(value_chunk)
-                            zlive = zrows < tv.end
-                            zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],
-                                          extra_mask=zlive[:, None]).to(torch.float32)
-                            zd = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
-                                         extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
-                            zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
-                            zdelta, _ = chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
-                            zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]
-                            for zback in hl.grid(cur):
-                                zj = cur - 1 - zback
-                                zk = k_rows[s64 * kr_s + kh * kr_h + zj * kr_l, :].to(torch.float32)
-                                zdj = hl.load(d_rows, [dr_base + zj * dr_l, zrows],
-                                              extra_mask=zlive).to(torch.float32)
-                                zS = zS + zdj[:, None] * (zk * e_new)[None, :]
-                            hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),
-                                     extra_mask=zlive[:, None])
-                            hl.inline_triton("tl.debug_barrier()", [], None)
-                            hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
-                                     hl.zeros([ring_block, value_chunk], d_rows.dtype),
-                                     extra_mask=(j <= cur)[:, None] & zlive[None, :])
-            else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
-                # a rebase (mode 2): G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program
-                # of this launch reads entry c. Written before the loop: after it, the addresses spilled (one warp)
-                if predecayed_ring == 2:
-                    if tv.begin == 0:
-                        if rebase:
-                            g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = hl.zeros([g_rows.size(1)], torch.float32)
-                            k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = hl.zeros([k_rows.size(1)], k_rows.dtype)
-                if mma_chunks or vector_tiles:  # the first chunk's [Vc, K] tile (the prologue's on the other path)
-                    fS_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-                    fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), rows],
-                                      extra_mask=ring_mask[:, None] & live[None, :])
-                else:
-                    fS_next, fd_next = S_next, d_next
-                if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
-                    if predecayed_ring and vector_tiles == 2:  # the prologue read the keys as tiles: [Lb, K] here
-                        kdec = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
-                                       extra_mask=valid[:, None]).to(torch.float32)
-                    if predecayed_ring:  # kt_j*exp(G_c)
-                        k_flush = kdec * e_new[None, :]  # [Lb, K]
+            if ok:
+                q, k = qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
+                x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
+                g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
+                beta = torch.sigmoid(b2[row, hv].to(torch.float32))
+                eg = torch.exp(g)
+                keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
+                if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
+                    tot = torch.where(cur > 0, g_last, 0.0)
+                    g_cum = tot + g  # G_c
+                    e_new = torch.exp(g_cum)  # the new state's decay; kt_j*e_new = k_j*exp(G_c - G_j) (see below)
+                    ak = e_new * k  # S0 @ ak = the checkpoint's part of S' @ k
+                    aq = e_new * q
+                    if vector_tiles == 2:  # wk, wq over [Ko, Lb, Ki, kv] tiles: in-thread sums and log2(Ko) shuffle rounds
+                        ak_loop, aq_loop = vector_tile(ak, state_vecs), vector_tile(aq, state_vecs)
+                        kt = k_tiles.to(torch.float32)
+                        if tiny_batch:  # the whole ring was loaded; the live-entry load returns 0 past the cursor
+                            kt = torch.where(valid[None, :, None, None], kt, 0.0)
+                        wk = row_dots(kt, ak_loop)  # [Lb]
+                        wq = row_dots(kt, aq_loop)
                     else:
-                        k_flush = kdec * eg[None, :]  # [Lb, K]
-                    k_hi = k_flush.to(torch.bfloat16)
-                    k_rest = k_flush - k_hi.to(torch.float32)
-                    k_mid = k_rest.to(torch.bfloat16)
-                    k_lo = (k_rest - k_mid.to(torch.float32)).to(torch.bfloat16)
-                # the append loop's chunk walk again: Helion 1.5.0 fails to lower hl.load inside a helper
-                # function called from two loops (InductorLoweringError on aten.slice), so it is spelled out
-                for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
-                    frows = fchunk + hl.arange(value_chunk)
-                    flive = frows < tv.end
-                    fS0 = fS_next.to(torch.float32)  # [Vc, K]
-                    fd_ring = torch.where(valid[:, None], fd_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                    fafter = frows + value_chunk  # prefetch the next chunk (masked after the last)
-                    fS_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
-                                      extra_mask=(fafter < tv.end)[:, None])
-                    fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
-                                      extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
-                    fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
-                    fdelta, fout = chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
-                    hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
-                    if predecayed_ring:  # exp(G_c)
-                        S_new = fS0 * e_new[None, :] + fdelta[:, None] * k[None, :]
-                    else:
-                        S_new = fS0 * (et * eg)[None, :] + fdelta[:, None] * k[None, :]
-                    if ring_on_tensor_cores:  # [Vc, Lb] @ [Lb, K], fp32 accumulation; the bf16 ring is exact
-                        d_t = fd_ring.to(torch.bfloat16).T
-                        S_new = hl.dot(d_t, k_hi, acc=hl.dot(d_t, k_mid, acc=hl.dot(d_t, k_lo, acc=S_new)))
-                    else:  # the ring replayed newest to oldest as rank-1 updates (fp32 or fp16 rings)
-                        decay = g  # log-decay from entry j to the new state
-                        for back in hl.grid(cur):
-                            jr = cur - 1 - back
-                            k_j = k_rows[s64 * kr_s + kh * kr_h + jr * kr_l, :].to(torch.float32)
-                            d_j = hl.load(d_rows, [dr_base + jr * dr_l, frows], extra_mask=flive).to(torch.float32)
-                            if predecayed_ring:  # kt_j*exp(G_c)
-                                S_new = S_new + d_j[:, None] * (k_j * e_new)[None, :]
+                        kdec = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)
+                        wk = torch.sum(kdec * ak[None, :], dim=1)  # [Lb]
+                        wq = torch.sum(kdec * aq[None, :], dim=1)
+                    # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
+                    # k*exp(-G_c) (docs/kernel_design.md); never under (L-1)*|lower_bound| <= the bound
+                    if predecayed_ring >= 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
+                        rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
+                    if predecayed_ring == 2:  # 2: through the flush branch
+                        append = append & (rebase == 0)
+                        emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
+                    if predecayed_ring == 3:  # 3: the append loop (the cursor alone chooses it), then a pass of its own
+                        keep = rebase == 0
+                        d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
+                else:  # (spelled apart from the branch above: this statement order keeps the sglang path's registers)
+                    kdec, tot = decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
+                    g_cum = g  # (the g ring holds gates, not sums)
+                    xk = eg * k
+                    xq = eg * q
+                    wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
+                    wq = torch.sum(kdec * xq[None, :], dim=1)
+                    et = torch.exp(tot)
+                    ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
+                    aq = et * xq
+                kq = torch.sum(k * q, dim=0)
+                ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
+                if vector_tiles:  # the append loop's [Ko, 1, Ki, kv] (the pre-decayed prologue's key tiles made them above)
+                    if not (predecayed_ring and vector_tiles == 2):
+                        ak_loop, aq_loop = vector_tile(ak, state_vecs), vector_tile(aq, state_vecs)
+                else:
+                    ak_loop, aq_loop = ak_row, aq_row
+                if append:  # every step but the flush: outputs and the ring append of delta
+                    if vector_tiles:  # the ring entries at c (g, and k per k-ring head) before the loop: no program of the
+                        # launch reads entry c (a whole-ring load masks it); written after the loop, they spilled here
+                        if tv.begin == 0:
+                            g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_entry(g, g_cum, keep, predecayed_ring)
+                            if k_owner:
+                                k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = k_entry(
+                                    k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
+                    if mma_chunks:  # the chunk products on tensor cores (docs/kernel_design.md)
+                        col = hl.arange(16)[None, :]
+                        a_mat = split3_columns(ak[:, None], aq[:, None], col)  # [K, 16] bf16
+                        w_mat = split3_columns(wk_col, wq_col, col)  # [Lb, 16] bf16
+                        k_col = col < 8  # columns of the k products
+                        for mchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                            mrows = mchunk + hl.arange(value_chunk)
+                            mlive = mrows < tv.end
+                            mS0 = hl.load(state_rows, [st_base + mrows * st_v, slice(None)], extra_mask=mlive[:, None])
+                            md_ring = hl.load(d_rows, [dr_base + j * dr_l, mrows],
+                                              extra_mask=valid[:, None] & mlive[None, :])  # dead entries load 0
+                            prod = hl.dot(md_ring.T, w_mat, acc=hl.dot(mS0, a_mat))  # [Vc, 16] fp32
+                            mspk = torch.sum(torch.where(k_col, prod, 0.0), dim=1)  # S' @ k
+                            mspq = torch.sum(torch.where(k_col, 0.0, prod), dim=1)  # S' @ q
+                            mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
+                            mdelta = beta * (mv_c - mspk)
+                            hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
+                            if predecayed_ring == 3:  # a rebasing head stores none
+                                mlive = mlive & (mrows < d_end)
+                            hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
+                    else:  # row reductions in registers, the next chunk's loads in flight
+                        for chunk in hl.grid(tv.begin, tv.end, value_chunk):
+                            rows = chunk + hl.arange(value_chunk)
+                            live = rows < tv.end
+                            S0 = S_next.to(torch.float32)  # [Ko, Vc, Ki, kv] (vector_tiles) or [Vc, K]
+                            d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                            after = rows + value_chunk  # prefetch the next chunk (masked after the last)
+                            if vector_tiles:
+                                S_next = hl.load(state_vecs, [slice(None), st_base + after * st_v, slice(None),
+                                                              slice(None)],
+                                                 extra_mask=(after < tv.end)[None, :, None, None])
                             else:
-                                S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
-                                decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
-                    hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
-                             extra_mask=flive[:, None])
-                    if predecayed_ring == 2:  # a rebase empties the ring: its deltas j <= c now live in the checkpoint.
-                        # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not
-                        # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)
-                        hl.inline_triton("tl.debug_barrier()", [], None)
-                        hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), frows],
-                                 hl.zeros([ring_block, value_chunk], d_rows.dtype),
-                                 extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
+                                S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                                 extra_mask=(after < tv.end)[:, None])
+                            d_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), after],
+                                             extra_mask=valid[:, None] & (after < tv.end)[None, :])
+                            v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                            delta, out = chunk_outputs(S0, d_ring, v_c, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
+                            hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
+                            if predecayed_ring == 3:  # a rebasing head stores none
+                                live = live & (rows < d_end)
+                            hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
+                    if not vector_tiles:  # the ring entries at c, as above
+                        if tv.begin == 0:
+                            g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = g_entry(g, g_cum, keep, predecayed_ring)
+                            if k_owner:
+                                k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = k_entry(
+                                    k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
+                    if predecayed_ring == 3:
+                        # A rebase: a second pass over the value tile folds the ring and this step's delta into the
+                        # checkpoint, S0*exp(G_c) + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (the ring
+                        # replayed as rank-1 updates: rebases are rare), then zeroes the deltas j <= c behind a CTA
+                        # barrier (other threads' loads of those rows must be done: Helion does not order a
+                        # write-after-read). Mode 2 takes the flush branch instead: a data-dependent choice of loop,
+                        # which made the 168-register programs spill on every step (docs/tuning.md)
+                        if rebase:
+                            for zchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                                zrows = zchunk + hl.arange(value_chunk)
+                                zlive = zrows < tv.end
+                                zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],
+                                              extra_mask=zlive[:, None]).to(torch.float32)
+                                zd = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
+                                             extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
+                                zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
+                                zdelta, _ = chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                                zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]
+                                for zback in hl.grid(cur):
+                                    zj = cur - 1 - zback
+                                    zk = k_rows[s64 * kr_s + kh * kr_h + zj * kr_l, :].to(torch.float32)
+                                    zdj = hl.load(d_rows, [dr_base + zj * dr_l, zrows],
+                                                  extra_mask=zlive).to(torch.float32)
+                                    zS = zS + zdj[:, None] * (zk * e_new)[None, :]
+                                hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),
+                                         extra_mask=zlive[:, None])
+                                hl.inline_triton("tl.debug_barrier()", [], None)
+                                hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
+                                         hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                                         extra_mask=(j <= cur)[:, None] & zlive[None, :])
+                else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
+                    # a rebase (mode 2): G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program
+                    # of this launch reads entry c. Written before the loop: after it, the addresses spilled (one warp)
+                    if predecayed_ring == 2:
+                        if tv.begin == 0:
+                            if rebase:
+                                g_rows[s64 * gr_s + hv * gr_h + cur * gr_l, :] = hl.zeros([g_rows.size(1)], torch.float32)
+                                k_rows[s64 * kr_s + hv * kr_h + cur * kr_l, :] = hl.zeros([k_rows.size(1)], k_rows.dtype)
+                    if mma_chunks or vector_tiles:  # the first chunk's [Vc, K] tile (the prologue's on the other path)
+                        fS_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+                        fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), rows],
+                                          extra_mask=ring_mask[:, None] & live[None, :])
+                    else:
+                        fS_next, fd_next = S_next, d_next
+                    if ring_on_tensor_cores:  # Kf = kdec*exp(g) as hi + mid + lo bf16 (~2^-24): exact MMAs
+                        if predecayed_ring and vector_tiles == 2:  # the prologue read the keys as tiles: [Lb, K] here
+                            kdec = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
+                                           extra_mask=valid[:, None]).to(torch.float32)
+                        if predecayed_ring:  # kt_j*exp(G_c)
+                            k_flush = kdec * e_new[None, :]  # [Lb, K]
+                        else:
+                            k_flush = kdec * eg[None, :]  # [Lb, K]
+                        k_hi = k_flush.to(torch.bfloat16)
+                        k_rest = k_flush - k_hi.to(torch.float32)
+                        k_mid = k_rest.to(torch.bfloat16)
+                        k_lo = (k_rest - k_mid.to(torch.float32)).to(torch.bfloat16)
+                    # the append loop's chunk walk again: Helion 1.5.0 fails to lower hl.load inside a helper
+                    # function called from two loops (InductorLoweringError on aten.slice), so it is spelled out
+                    for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
+                        frows = fchunk + hl.arange(value_chunk)
+                        flive = frows < tv.end
+                        fS0 = fS_next.to(torch.float32)  # [Vc, K]
+                        fd_ring = torch.where(valid[:, None], fd_next.to(torch.float32), 0.0)  # [Lb, Vc]
+                        fafter = frows + value_chunk  # prefetch the next chunk (masked after the last)
+                        fS_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
+                                          extra_mask=(fafter < tv.end)[:, None])
+                        fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
+                                          extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
+                        fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
+                        fdelta, fout = chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                        hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
+                        if predecayed_ring:  # exp(G_c)
+                            S_new = fS0 * e_new[None, :] + fdelta[:, None] * k[None, :]
+                        else:
+                            S_new = fS0 * (et * eg)[None, :] + fdelta[:, None] * k[None, :]
+                        if ring_on_tensor_cores:  # [Vc, Lb] @ [Lb, K], fp32 accumulation; the bf16 ring is exact
+                            d_t = fd_ring.to(torch.bfloat16).T
+                            S_new = hl.dot(d_t, k_hi, acc=hl.dot(d_t, k_mid, acc=hl.dot(d_t, k_lo, acc=S_new)))
+                        else:  # the ring replayed newest to oldest as rank-1 updates (fp32 or fp16 rings)
+                            decay = g  # log-decay from entry j to the new state
+                            for back in hl.grid(cur):
+                                jr = cur - 1 - back
+                                k_j = k_rows[s64 * kr_s + kh * kr_h + jr * kr_l, :].to(torch.float32)
+                                d_j = hl.load(d_rows, [dr_base + jr * dr_l, frows], extra_mask=flive).to(torch.float32)
+                                if predecayed_ring:  # kt_j*exp(G_c)
+                                    S_new = S_new + d_j[:, None] * (k_j * e_new)[None, :]
+                                else:
+                                    S_new = S_new + d_j[:, None] * (k_j * torch.exp(decay))[None, :]
+                                    decay = decay + g_rows[s64 * gr_s + hv * gr_h + jr * gr_l, :]
+                        hl.store(state_rows, [st_base + frows * st_v, slice(None)], S_new.to(state_rows.dtype),
+                                 extra_mask=flive[:, None])
+                        if predecayed_ring == 2:  # a rebase empties the ring: its deltas j <= c now live in the checkpoint.
+                            # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not
+                            # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)
+                            hl.inline_triton("tl.debug_barrier()", [], None)
+                            hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), frows],
+                                     hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                                     extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
+            else:  # a refused row: a padding row, recorded once per row (value head 0, first value tile)
+                out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
+                if cursors_by_slot:
+                    if (hv == 0) & (tv.begin == 0):
+                        code = call_code[0]
+                        first = hl.atomic_cas(slot_errors, [0], 0, code)  # the first bad call owns the record
+                        hl.atomic_add(slot_errors, [2], 1)
+                        if (first == 0) | (first == code):
+                            at = hl.atomic_add(slot_errors, [1], 1)
+                            if at < 8:  # pool.slots.RECORDED_ROWS
+                                slot_errors[4 + 2 * at] = slot * 0 + row
+                                slot_errors[5 + 2 * at] = slot
         else:
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
     return out3

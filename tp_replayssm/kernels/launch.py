@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..pool.slots import ERROR_WORDS, SlotGuard
 from ..validation import DecodeCall, DecodeDims, resolve_scale, validate_decode_once
 from . import direct
 from .args import decode_kernel_args
@@ -45,12 +46,14 @@ def plan_for(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_tab
 
 
 def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False, advance: bool = False,
-               plan: DecodePlan | None = None, where: str = "replayssm_decode") -> DecodeDims:
+               plan: DecodePlan | None = None, guard: SlotGuard | None = None,
+               where: str = "replayssm_decode") -> DecodeDims:
     """Validate and run one decode call in place (module docstring); returns its sizes.
 
     ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]``; ``advance`` (with it) moves those
     cursors in the same launch, as :func:`tp_replayssm.kernels.cursor.advance` would right after it. ``plan``
-    replaces the library's launch plan (benchmarks, tests); it must fit the call (:meth:`DecodePlan.check`)."""
+    replaces the library's launch plan (benchmarks, tests); it must fit the call (:meth:`DecodePlan.check`).
+    ``guard``: the pool's error record and this call's code (slot safety); the op passes none."""
     if advance and not cursor_table:
         raise ValueError(f"{where}: advance=True needs the pool's cursor table [S + 1] as `write_pos`")
     dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
@@ -67,22 +70,35 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
     if not kernel:
         from ..reference import decode_rows
 
-        decode_rows(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
+        decode_rows(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance, guard=guard)
         return dims
     if plan is None:
         plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
-    launch_decode(call, dims, plan)
+    launch_decode(call, dims, plan, guard or spare_guard(device))
     return dims
 
 
-def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan) -> None:
+def spare_guard(device: torch.device) -> SlotGuard:
+    """An error record nobody reads, for the op's launches (the kernel records only in the pool's calls)."""
+    guard = _SPARE.get(device)
+    if guard is None:
+        guard = _SPARE[device] = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
+                                           torch.zeros(1, dtype=torch.int32, device=device))
+    return guard
+
+
+_SPARE: dict[torch.device, SlotGuard] = {}
+
+
+def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, guard: SlotGuard) -> None:
     """Launch the kernel for a validated call with ``plan`` (no checks)."""
     device = call.mixed_qkv.device
     force = no_flush(dims.batch, device) if call.force_flush is None else call.force_flush
     scale = resolve_scale(call.scale, dims.key_dim)
-    inputs = (*call[:5], *call[6:13], force)  # the call's tensors (validation.CALL_TENSORS order)
+    inputs = (*call[:5], *call[6:13], force, *guard)  # the call's tensors (CALL_TENSORS order), then the guard's
     config = plan.config
     DIRECT_PLANS.launch(
-        decode_kernel_for(config), config, lambda: decode_kernel_args(call, dims, plan, scale, force), inputs, device,
+        decode_kernel_for(config), config, lambda: decode_kernel_args(call, dims, plan, scale, force, guard), inputs,
+        device,
         (plan,), {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)},
         None if plan.maxnreg is None else {"maxnreg": plan.maxnreg})

@@ -40,6 +40,8 @@ MMA_CHUNK_STAGES = 3
 # positions of the checkpoint-chunk loads in Helion's list of the kernel's loads (``load_eviction_policies``), on the
 # register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint
 STATE_LOADS = (1, 13, 16)
+# rows per step of the pool's scan for slots named twice in one call (one step up to this batch)
+NAMED_BLOCK = 256
 # the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
 H200_SMS = 132
 
@@ -96,6 +98,7 @@ class DecodePlan:
     vector_tiles: int  # 0, 1 (append loop on [Ko, Vc, Ki, kv] tiles), 2 (and the pre-decayed keys)
     predecayed_ring: int  # 0 sglang layout; pre-decayed: 1 no rebase possible, 2 rebase via flush, 3 rebase pass
     advance_readers: int  # 0, or the programs that read one row's cursor (the fused advance counts them)
+    named_block: int  # rows per step of the scan that finds slots named twice (the pool's calls)
     cursor_table: bool
     ring_length: int
     ring_block: int
@@ -116,13 +119,13 @@ class DecodePlan:
                     use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
                     cursors_by_slot=self.cursor_table, tiny_batch=self.tiny_batch,
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
-                    advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles)
+                    advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block)
 
     def check(self, problem: DecodeProblem) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
         combination the kernel does not have)."""
         want = plan_decode(problem)
-        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound"):
+        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block"):
             if getattr(self, name) != getattr(want, name):
                 raise ValueError(f"DecodePlan: `{name}` is {getattr(self, name)!r} but this call needs "
                                  f"{getattr(want, name)!r} ({self})")
@@ -266,6 +269,8 @@ def plan_decode(problem: DecodeProblem) -> DecodePlan:
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
         tiny_batch=problem.batch * problem.num_v_heads < TINY_BATCH_BELOW,
         vector_tiles=_vector_tiles(problem, vt, chunk, warps, mma), predecayed_ring=mode,
-        advance_readers=cursor_readers(problem, vt) if problem.advance else 0, cursor_table=problem.cursor_table,
+        advance_readers=cursor_readers(problem, vt) if problem.advance else 0,
+        named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())) if problem.cursor_table else 16,
+        cursor_table=problem.cursor_table,
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
         use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound)
