@@ -1,19 +1,22 @@
 """Cost of the collective placement check and of ``pool.decode`` in its default check mode.
 
-Run under torchrun, on CPU (gloo) or GPUs (NCCL main group; the check itself always uses a CPU gloo
-group, see tp_replayssm/placement.py):
+Run under torchrun, on CPU (gloo) or GPUs (NCCL main group; the check itself always uses a CPU gloo group, see
+``tp_replayssm/tp/placement.py``)::
 
     ./dev.sh torchrun --standalone --nproc-per-node 2 benchmarks/bench_placement.py
     torchrun --standalone --nproc-per-node 8 benchmarks/bench_placement.py --device cuda --shape kimi-linear
 
 Measures on every rank (medians over ``--reps``, after a barrier each):
-  check_us        one ``collective_placement_check`` over the pool's tensors (success path)
-  verify_us       ``pool.verify_placement()``
-  host_first_us   ``pool.decode`` host time on the first call of a layer (runs the collective check)
-  host_later_us   ``pool.decode`` host time on later calls (default mode: no collective, no sync);
-                  the kernel launch is replaced by a no-op here, so both isolate the checks
-  decode_us       (CUDA only) a real eager ``pool.decode`` incl. the kernel, synchronized
-Rank 0 prints one line per rank and writes ``$OUT/bench_placement.json`` (or benchmarks/out/).
+
+- ``check_us``: one ``collective_placement_check`` over the pool's tensors (success path);
+- ``verify_us``: ``pool.verify_placement()``;
+- ``host_first_us``: ``pool.decode`` host time on the first call of a layer (runs the collective check);
+- ``host_later_us``: ``pool.decode`` host time on later calls (default mode: no collective, no sync); the decode
+  itself (``run_decode``) is replaced by a no-op here, so both isolate the checks;
+- ``decode_us`` (CUDA only): a real eager ``pool.decode`` incl. the kernel, synchronized.
+
+Rank 0 prints one line per rank and writes ``bench_placement.json`` (a list of the ranks' records) into ``$OUT``
+(else ``benchmarks/out/``).
 """
 
 from __future__ import annotations
@@ -42,14 +45,16 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before helion/triton are imported
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import importlib
+
     import torch.distributed as dist
 
-    from tp_replayssm import KDAHeads, ReplaySSMStatePool, distributed, placement
-    from tp_replayssm import pool as pool_module
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool
     from tp_replayssm.testing import random_decode_inputs, random_head_params
+    from tp_replayssm.tp import distributed, placement
+
+    pool_module = importlib.import_module("tp_replayssm.pool.pool")  # the module whose run_decode the pool calls
 
     env = distributed.init_distributed(args.device)
     try:
@@ -84,8 +89,8 @@ def main() -> None:
         def decode(layer: int) -> None:
             pool.decode(layer, x.mixed_qkv, x.a, x.b, p.A_log, p.dt_bias, slots)
 
-        real_op = pool_module.ops.decode_with_cursor_table  # the pool's entry into the op
-        pool_module.ops.decode_with_cursor_table = lambda *a, **k: (a[10], a[6])  # isolate the host-side checks
+        real_decode = pool_module.run_decode  # the pool's entry into the decode
+        pool_module.run_decode = lambda *a, **k: None  # isolate the host-side checks
         try:
             first = [timed(lambda layer=layer: decode(layer), 1) for layer in range(NL)]
             res["host_first_us"] = statistics.median(first)
@@ -96,7 +101,7 @@ def main() -> None:
                 later.append(time.perf_counter() - t0)
             res["host_later_us"] = _median_us(later)
         finally:
-            pool_module.ops.decode_with_cursor_table = real_op
+            pool_module.run_decode = real_decode
         if pool.device.type == "cuda":
             decode(0)  # compile
             torch.cuda.synchronize()

@@ -1,35 +1,34 @@
 #!/usr/bin/env python3
 """Cost of the state pool over the bare op, on one GPU.
 
-1. Graph-captured model steps: ``pool.decode`` for every layer + ``pool.advance`` (SPEC section 3; with
-   ``--fused-advance`` also the step whose last decode moves the cursors, ``decode(..., advance=True)``),
-   against the bare op ``tp_replayssm.ops.replayssm_decode`` on tensors of the same shapes, dtypes and
-   slot ids (one row-indexed cursor tensor per slot set, advanced by one tiny Triton kernel per step:
-   the least a caller can do). One graph holds one full cursor cycle (L model steps) per slot set;
-   us/step = median replay / (sets * L); ``overhead`` = pool / bare - 1 (target: within 5% at B >= 32).
-2. Eager per-call cost (no graph): CPU time spent inside one call (``host``) and wall time per call
-   with the GPU in the loop (``wall``) of ``pool.decode``, the bare op, the op's input validation alone,
-   ``pool.advance``, and the raw Helion kernel: ``helion.Kernel.__call__`` is wrapped (class level)
-   for one op call to record the kernel and the arguments the op passes it, which are then called
-   directly (``kernel(*args)``), through its bound kernel (``kernel.bind(args)(*args)``) and through
-   the bound kernel's compiled launcher when it has one; and ``ops.launch`` (the op without its
-   validation) when the ops module has one.
+1. Graph-captured model steps: ``pool.decode`` for every layer + ``pool.advance`` (with ``--fused-advance`` also
+   the step whose last decode moves the cursors, ``decode(..., advance=True)``), against the bare op
+   ``tp_replayssm.ops.replayssm_decode`` on tensors of the same shapes, dtypes, ring layout and slot ids (one
+   row-indexed cursor tensor per slot set, advanced by one tiny Triton kernel per step: the least a caller can do).
+   One graph holds one full cursor cycle (L model steps) per slot set; us/step = median replay / (sets * L);
+   ``overhead_pct`` = pool / bare - 1.
+2. Eager per-call cost (no graph): CPU time spent inside one call (``host``) and wall time per call with the GPU in
+   the loop (``wall``) of ``pool.decode``, the bare op, the same two with the direct launch path off (Helion's own
+   dispatch), the op's validation alone (``validation.validate_decode``), the launch without validation or
+   planning (``kernels.launch.launch_decode``), ``pool.advance``, and the raw Helion kernel: ``helion.Kernel.__call__``
+   is wrapped (class level) for one op call to record the kernel and its arguments, which are then called directly
+   (``kernel(*args)``), through the bound kernel (``kernel.bind(args)(*args)``) and through the bound kernel's
+   compiled launcher when it has one.
 
-Before timing, one eager ``pool.decode`` step of layer 0 is checked against the float64 plain KDA
-recurrence (``tp_replayssm.testing.PlainKDA``) started from ``pool.read_state``.
+Before timing, one eager ``pool.decode`` step of layer 0 is checked against the float64 plain KDA recurrence
+(``tp_replayssm.testing.PlainKDA``) started from ``pool.read_state``.
 
-    pip install --no-index --no-deps --target /tmp/site .devwheels/*.whl
-    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_pool_overhead.py            # B 32,128,512 x HV 8,32
-    PYTHONPATH=/tmp/site:. python3 benchmarks/bench_pool_overhead.py --quick    # B 128 x HV 8,32
+    python3 benchmarks/bench_pool_overhead.py            # B 32,128,512 x HV 8,32, 4 layers, pre-decayed rings
+    python3 benchmarks/bench_pool_overhead.py --quick    # B 128 x HV 8,32
 
-Writes ``$OUT/bench_pool_overhead.json`` (else ``benchmarks/out/``); the table is printed last.
+(on the device after ``source benchmarks/device_setup.sh``). Writes ``bench_pool_overhead.json`` (meta and one
+record per (B, HV)) into ``--out`` (else ``$OUT``, else ``benchmarks/out/``); the table is printed last.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import math
 import os
@@ -46,9 +45,6 @@ for p in (str(REPO), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-if __name__ == "__main__" and "--allow-autotune" not in sys.argv[1:]:
-    os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")  # before anything imports helion
-
 import torch  # noqa: E402
 
 from bench_decode import (  # noqa: E402
@@ -62,6 +58,7 @@ from bench_decode import (  # noqa: E402
 )
 from bench_report import log  # noqa: E402
 from bench_steps import DTYPES, _rel_err  # noqa: E402
+from tp_replayssm.reference import predecay_rings  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -73,7 +70,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--ring", type=int, default=16)
     p.add_argument("--state", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--ring-layout", default="predecayed", choices=["predecayed", "sglang"],
+                   help="the pool's ring layout (the bare op runs the same)")
+    p.add_argument("--cache-dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                   help="ring dtype (fp16 only with --ring-layout sglang)")
     p.add_argument("--act-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--lower-bound", type=float, default=None)
     p.add_argument("--key-dim", type=int, default=128)
@@ -92,10 +92,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new configs after this")
-    p.add_argument("--allow-autotune", action="store_true", help="leave HELION_AUTOTUNE_EFFORT alone")
     p.add_argument("--out", help="output folder (default $OUT, else benchmarks/out)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.ring_layout == "predecayed" and args.cache_dtype == "fp16":
+        p.error("--cache-dtype fp16 needs --ring-layout sglang (the pre-decayed layout keeps bf16 or fp32 rings)")
     if args.quick:
         args.batch = "128"
     return args
@@ -126,26 +127,6 @@ def record_kernel_calls(call: Callable[[], Any], kernel_cls: type | None = None)
     return calls
 
 
-def record_function_call(module: Any, attr: str, call: Callable[[], Any]) -> tuple[tuple, dict] | None:
-    """Run ``call`` once with ``module.attr`` wrapped; return the (args, kwargs) of its first call."""
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        return None
-    seen: list[tuple[tuple, dict]] = []
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        seen.append((args, kwargs))
-        return fn(*args, **kwargs)
-
-    setattr(module, attr, wrapper)
-    try:
-        call()
-        torch.cuda.synchronize()
-    finally:
-        setattr(module, attr, fn)
-    return seen[0] if seen else None
-
-
 def raw_variants(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Callable[[], Any]]:
     out: dict[str, Callable[[], Any]] = {"kernel_call": lambda: kernel(*args, **kwargs)}
     try:
@@ -164,28 +145,25 @@ def raw_variants(kernel: Any, args: tuple, kwargs: dict) -> dict[str, Callable[[
 # timing
 
 
-def _direct_plans(ctx: dict[str, Any]) -> Any:
-    """The op's direct-launch plan cache (``ops.DIRECT_PLANS``), None in versions without one."""
-    ops_mod = sys.modules.get(getattr(ctx["ops"], "__module__", ""), None)
-    return getattr(ops_mod, "DIRECT_PLANS", None)
+def _direct_plans() -> Any:
+    """The decode's direct-launch plan cache (``tp_replayssm.kernels.launch.DIRECT_PLANS``)."""
+    from tp_replayssm.kernels import launch
+
+    return launch.DIRECT_PLANS
 
 
-def _helion_dispatch(ctx: dict[str, Any]) -> Callable[[Callable[[], Any]], Callable[[], Any]] | None:
-    """A wrapper that runs a call with the op's direct launch path off, None in versions without one."""
-    dl = sys.modules.get("tp_replayssm.direct_launch")
-    if dl is None or _direct_plans(ctx) is None:
-        return None
+def _helion_dispatch(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with the direct launch path off (``tp_replayssm.kernels.direct.ENABLED``): Helion's own dispatch."""
+    from tp_replayssm.kernels import direct
 
-    def wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def call() -> Any:
-            dl.ENABLED = False
-            try:
-                return fn()
-            finally:
-                dl.ENABLED = True
-        return call
+    def call() -> Any:
+        direct.ENABLED = False
+        try:
+            return fn()
+        finally:
+            direct.ENABLED = True
 
-    return wrap
+    return call
 
 
 def eager_cost(fn: Callable[[], Any], n: int) -> dict[str, float]:
@@ -207,10 +185,11 @@ def eager_cost(fn: Callable[[], Any], n: int) -> dict[str, float]:
 
 
 class Setup:
-    """A pool and a bare twin with the same shapes, slots and inputs."""
+    """A pool and a bare twin with the same shapes, ring layout, slots and inputs (``ops_fn``: the bare op, SGLang's
+    signature with a ``ring_layout`` keyword)."""
 
     def __init__(self, B: int, HV: int, args: argparse.Namespace, device: torch.device, l2_bytes: int,
-                 ops_fn: Callable[..., Any]):
+                 ops_fn: Callable[..., Any] | None):
         import tp_replayssm as tr
 
         H, K, V, L, NL = HV, args.key_dim, args.value_dim, args.ring, args.layers
@@ -227,8 +206,9 @@ class Setup:
         self.n_sets = int(max(1, min(math.ceil(target / per_set), max_sets)))
         S = self.n_sets * B
         self.S = S
+        self.ring_layout = args.ring_layout
         self.pool = tr.ReplaySSMStatePool(tr.KDAHeads(H, HV, K, V), num_layers=NL, num_slots=S, ring_length=L,
-                                          state_dtype=sdt, cache_dtype=cdt, device=device)
+                                          state_dtype=sdt, cache_dtype=cdt, device=device, ring_layout=self.ring_layout)
         self.slots = [self.pool.alloc(B).to(device=device, dtype=torch.int32) for _ in range(self.n_sets)]
         for layer in range(NL):
             for s in self.slots:
@@ -236,15 +216,18 @@ class Setup:
                 self.pool.load_state(layer, s, states)
         self.A_log = [torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen) for _ in range(NL)]
         self.dt_bias = [torch.empty(HV * K, device=device).uniform_(-4.0, 0.0, generator=gen) for _ in range(NL)]
-        # bare twin: one checkpoint + rings per layer, same slot ids, row-indexed cursors per set
+        # bare twin: one checkpoint + rings per layer in the pool's layout, same slot ids, row-indexed cursors per set
         self.bare = []
+        predecayed = self.ring_layout == "predecayed"
         for _ in range(NL):
             st = torch.randn(S, HV, V, K, device=device, dtype=sdt, generator=gen).mul_(0.05)
             d = torch.randn(S, HV, L, V, device=device, dtype=cdt, generator=gen).mul_(0.5)
-            k = torch.randn(S, H, L, K, device=device, dtype=torch.float32, generator=gen)
-            k = (k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)).to(cdt)
+            k = torch.randn(S, HV if predecayed else H, L, K, device=device, dtype=torch.float32, generator=gen)
+            k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
             g = torch.rand(S, HV, L, K, device=device, generator=gen).mul_(-0.2).sub_(0.01)
-            self.bare.append((st, d, k, g))
+            if predecayed:  # cumulative gates, keys k * exp(-G)
+                k, g = predecay_rings(k, g)
+            self.bare.append((st, d, k.to(cdt), g))
         self.cursors = [torch.zeros(B, device=device, dtype=torch.int32) for _ in range(self.n_sets)]
         # inputs: one set per (step, layer) of a cycle, shared by the slot sets
         width = 2 * H * K + HV * V
@@ -276,7 +259,8 @@ class Setup:
         mixed, a, b, out = self.inp(t, layer)
         st, d, k, g = self.bare[layer]
         self.ops_fn(mixed, a, b, self.A_log[layer], self.dt_bias[layer], None, st, d, k, g, out, self.slots[si],
-                    self.cursors[si], None, use_qk_l2norm_in_kernel=True, lower_bound=self.lb)
+                    self.cursors[si], None, use_qk_l2norm_in_kernel=True, lower_bound=self.lb,
+                    ring_layout=self.ring_layout)
 
     def bare_step(self, si: int, t: int) -> None:
         for layer in range(self.NL):
@@ -326,7 +310,7 @@ class Setup:
 def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], timed: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     rec: dict[str, Any] = {"B": B, "HV": HV, "H": HV, "layers": args.layers, "L": args.ring, "state": args.state,
-                           "lower_bound": args.lower_bound, "graph": timed}
+                           "ring_layout": args.ring_layout, "lower_bound": args.lower_bound, "graph": timed}
     su = None
     graphs = []
     try:
@@ -377,47 +361,41 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
             "op": lambda: su.bare_call(0, 0, 0),
             "pool_advance": lambda: su.pool.advance(su.slots[0]),
         }
-        # the same calls through Helion's own dispatch (the op's direct launch path turned off)
-        helion_dispatch = _helion_dispatch(ctx)
-        if helion_dispatch is not None:
-            cands["pool_decode_helion"] = helion_dispatch(cands["pool_decode"])
-            cands["op_helion"] = helion_dispatch(cands["op"])
-        try:
-            from tp_replayssm._validation import validate_decode_inputs
+        # the same calls through Helion's own dispatch (the direct launch path off)
+        cands["pool_decode_helion"] = _helion_dispatch(cands["pool_decode"])
+        cands["op_helion"] = _helion_dispatch(cands["op"])
+        try:  # the op's validation alone, and its launch without validation or planning
+            from tp_replayssm.kernels.launch import launch_decode, plan_for
+            from tp_replayssm.validation import DecodeCall, validate_decode
 
             mixed, a, b, out = su.inp(0, 0)
             st, d, k, g = su.bare[0]
-            cands["validate"] = lambda: validate_decode_inputs(mixed, a, b, su.A_log[0], su.dt_bias[0], None, st, d,
-                                                               k, g, out, su.slots[0], su.cursors[0], None, su.lb)
+            call = DecodeCall(mixed, a, b, su.A_log[0], su.dt_bias[0], None, st, d, k, g, out, su.slots[0],
+                              su.cursors[0], None, True, su.lb)
+            dims = validate_decode(call, ring_layout=su.ring_layout)
+            plan = plan_for(call, dims, ring_layout=su.ring_layout, cursor_table=False, advance=False)
+            cands["validate"] = lambda: validate_decode(call, ring_layout=su.ring_layout)
+            cands["launch"] = lambda: launch_decode(call, dims, plan)
         except Exception as exc:
             rec["validate_error"] = _short_error(exc)
-        try:  # the op's launch path without validation, when ops exposes one (`launch`)
-            ops_mod = sys.modules.get(getattr(ctx["ops"], "__module__", ""), None)
-            hit = record_function_call(ops_mod, "launch", lambda: su.bare_call(0, 0, 0)) if ops_mod else None
-            if hit is not None:
-                largs, lkw = hit
-                cands["launch"] = lambda: ops_mod.launch(*largs, **lkw)
-        except Exception as exc:
-            rec["launch_error"] = _short_error(exc)
         try:
-            call = lambda: su.bare_call(0, 0, 0)  # noqa: E731
-            calls = record_kernel_calls(helion_dispatch(call) if helion_dispatch else call, ctx.get("kernel_cls"))
+            calls = record_kernel_calls(_helion_dispatch(lambda: su.bare_call(0, 0, 0)), ctx.get("kernel_cls"))
             rec["raw_kernel_calls"] = len(calls)
             if calls:
                 kernel, kargs, kkw = calls[0]
                 for vname, fn in raw_variants(kernel, kargs, kkw).items():
                     cands[f"raw_{vname}"] = fn
             else:
-                rec["raw_error"] = "the op made no helion.Kernel call"
+                rec["raw_error"] = "the op made no helion.Kernel call (CPU tensors, or a plan with a register cap: " \
+                                   "it launches through Helion's host code)"
         except Exception as exc:
             rec["raw_error"] = _short_error(exc)
-        plans = _direct_plans(ctx)
+        plans = _direct_plans()
         for name, fn in cands.items():
             try:
-                hits = plans.hits if plans is not None else 0
+                hits = plans.hits
                 c = eager_cost(fn, n)
-                if plans is not None:
-                    rec[f"{name}_direct_launches"] = plans.hits - hits
+                rec[f"{name}_direct_launches"] = plans.hits - hits
                 rec[f"{name}_host_us"] = c["host_us"]
                 rec[f"{name}_wall_us"] = c["wall_us"]
             except Exception as exc:
@@ -429,8 +407,8 @@ def run_config(B: int, HV: int, args: argparse.Namespace, ctx: dict[str, Any], t
         if record_failure(rec, exc, f"B{B} HV{HV}", verbose=args.verbose):
             ctx["fatal"] = rec["error"]
     finally:
-        del graphs
-        del su
+        graphs.clear()
+        su = None
         release_cuda(ctx)
     rec["config_s"] = time.perf_counter() - t0
     return rec
@@ -468,9 +446,9 @@ def table(results: list[dict[str, Any]]) -> list[str]:
 HELP = """\
 pool_us / bare_us: us per model step (all layers + cursor advance), graph-captured, median replay of full cursor
 cycles; ovh% = pool_us / bare_us - 1 (bare: the smaller of two timings). e:* = eager CPU us per call (no sync in the
-loop): pool.decode, the same through Helion's dispatch (pool_h: the op's direct launch path off), the bare op
-(op_h: the same), its input validation alone, ops.launch (op minus validation, if ops has it), the
-raw Helion kernel via kernel(*args) / kernel.bind(args)(*args) / the bound kernel's compiled launcher (_run),
+loop): pool.decode, the same through Helion's dispatch (pool_h: the direct launch path off), the bare op
+(op_h: the same), its input validation alone, kernels.launch.launch_decode (the op minus validation and planning),
+the raw Helion kernel via kernel(*args) / kernel.bind(args)(*args) / the bound kernel's compiled launcher (_run),
 pool.advance. w:* = eager wall us per call (GPU in the loop). err = rel. error of one pool.decode out vs the
 float64 plain recurrence from pool.read_state."""
 
@@ -482,27 +460,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         log("bench_pool_overhead: no CUDA device is visible (torch.cuda.is_available() is False); "
             "this benchmark runs on the GPU machine only.")
         return 2
-    if not args.allow_autotune:
-        os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")
     t_start = time.perf_counter()
     device = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(device)
     l2_bytes = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
-    meta = gather_meta(argparse.Namespace(**{**vars(args), "advance": "triton"}), argv)
+    meta = gather_meta(argparse.Namespace(**{**vars(args), "advance": "bare: row cursors + a Triton advance"}), argv)
     meta["command"] = " ".join(["bench_pool_overhead.py", *argv])
     meta.update(gpu=props.name, l2_bytes=l2_bytes)
-    ctx: dict[str, Any] = {"device": device, "l2_bytes": l2_bytes}
-    try:
-        ctx["ops"] = importlib.import_module("tp_replayssm.ops").replayssm_decode
-        import tp_replayssm  # noqa: F401
+    from tp_replayssm import ops
 
-        if not callable(getattr(tp_replayssm.ReplaySSMStatePool, "decode", None)):
-            raise ImportError("tp_replayssm.ReplaySSMStatePool has no decode() yet (placeholder pool?)")
-    except Exception as exc:
-        log(f"bench_pool_overhead: cannot use the op or the pool: {_short_error(exc)}")
-        return 3
-    log(f"bench_pool_overhead: {props.name}; layers {args.layers}, L {args.ring}, state {args.state}; "
-        f"helion effort {os.environ.get('HELION_AUTOTUNE_EFFORT')}")
+    ctx: dict[str, Any] = {"device": device, "l2_bytes": l2_bytes, "ops": ops.replayssm_decode}
+    log(f"bench_pool_overhead: {props.name}; layers {args.layers}, L {args.ring}, state {args.state}, "
+        f"{args.ring_layout} ring layout")
     results = []
     configs = [(int(B), int(HV), True) for HV in args.heads.split(",") for B in args.batch.split(",")]
     configs += [(int(B), int(HV), False) for HV in args.heads.split(",") for B in args.eager_batch.split(",")

@@ -1,11 +1,21 @@
-"""The tensors and step closures ``bench_decode.py`` times, and its correctness checks: a pool-like set of
-caches split into disjoint slot sets (:class:`Buffers`), one cursor cycle of our op or of FLA's packed
-decode as a list of closures, and the one-step checks of both against the reference. CPU-runnable
-(``tests/test_byte_model.py`` runs the pool's steps against the row-cursor steps on CPU)."""
+"""The tensors and step closures ``bench_decode.py`` times, and its correctness checks.
+
+- :class:`Buffers`: a pool-like set of random caches for one shape, split into disjoint slot sets, in one ring layout,
+  with rotated input sets (and q/k/v split for FLA).
+- Step closures, one full cursor cycle per slot set: :func:`pool_steps` (ours as the pool runs it:
+  :func:`tp_replayssm.kernels.launch.run_decode` on the slot-indexed cursor table, then the pool's cursor advance
+  :func:`tp_replayssm.kernels.cursor.advance`, or the advance fused into the decode), :func:`replay_steps` (any op
+  with SGLang's signature on row-indexed cursors), :func:`fla_steps` (FLA's packed in-place decode).
+- Checks of one step: :func:`check_replay` (an op against the reference on copies of the pool) and
+  :func:`check_fla` (FLA's ``out`` against the reference at an empty ring).
+
+CPU-runnable: ``tests/test_byte_model.py`` runs the pool's steps against the row-cursor steps on CPU tensors.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -13,7 +23,7 @@ from typing import Any
 
 import torch
 
-from bench_plan import Shape
+from bench_shapes import Shape
 from tp_replayssm.reference import predecay_rings
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,10 +34,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Buffers:
-    """A pool-like set of random tensors for one shape, split into ``n_sets`` disjoint slot sets."""
+    """A pool-like set of random tensors for one shape, split into ``n_sets`` disjoint slot sets, its rings in
+    ``ring_layout`` (default ``args.ring_layout``): enough sets that one graph replay touches ``args.footprint_mb``
+    (0: 4x ``l2_bytes``), at most ``args.max_graph_steps`` steps per replay."""
 
     def __init__(self, shape: Shape, args: argparse.Namespace, device: torch.device, l2_bytes: int,
-                 need_fla: bool):
+                 need_fla: bool, ring_layout: str | None = None):
         H, HV, K, V, L, B = shape.H, shape.HV, shape.K, shape.V, shape.L, shape.B
         self.shape = shape
         sdt, cdt, adt = DTYPES[shape.state], DTYPES[args.cache_dtype], DTYPES[args.act_dtype]
@@ -37,8 +49,9 @@ class Buffers:
         gen.manual_seed(args.seed * 1000003 + zlib.crc32(shape.label.encode()))
         self.gen = gen
 
-        # the pre-decayed ring layout (--ring-layout predecayed): cumulative gates, keys k*exp(-G) per value head
-        self.predecayed = getattr(args, "ring_layout", "spec") == "predecayed"
+        # the pre-decayed ring layout (the pool's default): cumulative gates, keys k*exp(-G) per value head
+        self.ring_layout = ring_layout or args.ring_layout
+        self.predecayed = self.ring_layout == "predecayed"
         KH = HV if self.predecayed else H
         per_set = B * (HV * V * K * sb + HV * L * V * cb + KH * L * K * cb + HV * L * K * 4)
         target = args.footprint_mb * 2**20 if args.footprint_mb > 0 else 4 * l2_bytes
@@ -65,7 +78,7 @@ class Buffers:
             k, self.g = predecay_rings(k, self.g)
         self.k = k.to(cdt)
         del k
-        self.A_log = torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen) + getattr(args, "A_log_shift", 0.0)
+        self.A_log = torch.empty(HV, device=device).uniform_(-1.0, 0.5, generator=gen) + args.A_log_shift
         self.dt_bias = torch.empty(HV * K, device=device).uniform_(-4.0, 0.0, generator=gen)
 
         base = (torch.arange(B, device=device, dtype=torch.int32) % L) if args.phase == "stagger" \
@@ -73,7 +86,7 @@ class Buffers:
         self.base = base
         self.cursors = [base.clone() for _ in range(self.n_sets)]  # row-indexed cursor per slot set
         self.wp_const = [((base + t) % L).to(torch.int32).contiguous() for t in range(L)]
-        # the pool's cursor table [S + 1] (entry S: padding rows' scratch), for --advance pool
+        # the pool's cursor table [S + 1] (entry S: padding rows' scratch), read by ours' pool steps
         self.cursor_table = torch.zeros(S + 1, device=device, dtype=torch.int32)
         for slots in self.slots:
             self.cursor_table[slots.long()] = base
@@ -113,49 +126,71 @@ def split_qkv(mixed: torch.Tensor, H: int, HV: int, K: int, V: int):
 StepList = list[tuple[Callable[[], None], Callable[[], None] | None]]
 
 
-def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
-                 advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None,
-                 pool: bool = False, fused: bool = False) -> StepList:
-    """One full cursor cycle per slot set. With ``advance`` the cursors advance in place after every
-    step; without it each step reads a constant ``write_pos`` tensor holding the same phase. With
-    ``pool`` (``op`` is ours) the step is the pool's: :func:`tp_replayssm.ops.decode_with_cursor_table`
-    on ``buf.cursor_table``, then :func:`tp_replayssm.cursor_kernel.advance` of that table; with ``fused`` too, the
-    decode moves the cursors itself (``advance=True``, the pool's ``decode(..., advance=True)``), no second kernel."""
+def ours_op(ring_layout: str, plan: Any = None) -> Callable[..., Any]:
+    """Our op with SGLang's signature (``tp_replayssm.ops.replayssm_decode``) on ``ring_layout`` rings, launched
+    with ``plan`` (a ``DecodePlan`` for row cursors; None: the library's)."""
+    from tp_replayssm.kernels.launch import run_decode
+    from tp_replayssm.validation import DecodeCall
+
+    def op(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        call = DecodeCall(*args, **kwargs)
+        run_decode(call, ring_layout=ring_layout, plan=plan)
+        return call.out, call.initial_state
+
+    return op
+
+
+def pool_steps(buf: Buffers, shape: Shape, *, l2norm: bool, fused: bool = False, plan: Any = None,
+               sets: Sequence[int] | None = None) -> StepList:
+    """Ours as the pool runs it, one full cursor cycle per slot set: the decode reads the slot-indexed cursor table
+    ``buf.cursor_table`` (``run_decode(..., cursor_table=True)``, as ``ReplaySSMStatePool.decode``), then the
+    pool's cursor advance moves it (``cursor.advance``, as ``ReplaySSMStatePool.advance``); with ``fused`` the
+    decode moves the cursors itself (``advance=True``, the pool's ``decode(..., advance=True)``). ``plan``: a
+    ``DecodePlan`` for that call (None: the library's)."""
+    from tp_replayssm.kernels import cursor
+    from tp_replayssm.kernels.launch import run_decode
+    from tp_replayssm.validation import DecodeCall
+
     steps: StepList = []
-    if pool:
-        from tp_replayssm import cursor_kernel, ops
     for si in (range(buf.n_sets) if sets is None else sets):
         for t in range(shape.L):
             j = buf.input_index(si, t)
-            if pool and advance is not None:
-                def step(j=j, si=si) -> None:
-                    ops.decode_with_cursor_table(
-                        buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
-                        buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, use_qk_l2norm_in_kernel=l2norm,
-                        lower_bound=shape.lb, predecayed=buf.predecayed, advance=fused)
+            call = DecodeCall(buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d,
+                              buf.k, buf.g, buf.out[j], buf.slots[si], buf.cursor_table, None, l2norm, shape.lb)
 
-                def adv(si=si) -> None:
-                    cursor_kernel.advance(buf.cursor_table, buf.slots[si], None, shape.L)
-                steps.append((step, None if fused else adv))
-                continue
+            def step(call: DecodeCall = call) -> None:
+                run_decode(call, ring_layout=buf.ring_layout, cursor_table=True, advance=fused, plan=plan)
 
+            def adv(si: int = si) -> None:
+                cursor.advance(buf.cursor_table, buf.slots[si], None, shape.L)
+            steps.append((step, None if fused else adv))
+    return steps
+
+
+def replay_steps(op: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
+                 advance: Callable[[torch.Tensor], None] | None, sets: Sequence[int] | None = None) -> StepList:
+    """``op`` (SGLang's signature) over one full cursor cycle per slot set, on row-indexed cursors. With ``advance``
+    the cursors advance in place after every step; without it each step reads a constant ``write_pos`` tensor
+    holding the same phase (the op alone)."""
+    steps: StepList = []
+    for si in (range(buf.n_sets) if sets is None else sets):
+        for t in range(shape.L):
+            j = buf.input_index(si, t)
             wp = buf.cursors[si] if advance is not None else buf.wp_const[t]
 
-            def step(j=j, si=si, wp=wp) -> None:
+            def step(j: int = j, si: int = si, wp: torch.Tensor = wp) -> None:
                 op(buf.mixed[j], buf.a[j], buf.b[j], buf.A_log, buf.dt_bias, None, buf.state, buf.d, buf.k,
                    buf.g, buf.out[j], buf.slots[si], wp, None, use_qk_l2norm_in_kernel=l2norm,
                    lower_bound=shape.lb)
 
-            adv = None
-            if advance is not None:
-                def adv(c=buf.cursors[si]) -> None:
-                    advance(c)
-            steps.append((step, adv))
+            steps.append((step, None if advance is None else functools.partial(advance, buf.cursors[si])))
     return steps
 
 
 def fla_steps(fla: Callable[..., Any], buf: Buffers, shape: Shape, *, l2norm: bool,
               sets: Sequence[int] | None = None) -> StepList:
+    """FLA's packed in-place decode, one step per (slot set, cursor phase) of the same inputs as ours: q/k/v split
+    beforehand, gate, beta sigmoid and l2norm inside FLA's kernel, the state read and written by slot."""
     B, HV, K = shape.B, shape.HV, shape.K
     steps: StepList = []
     for si in (range(buf.n_sets) if sets is None else sets):
@@ -205,7 +240,11 @@ def _fresh_inputs(shape: Shape, dtype: torch.dtype, device: torch.device, gen: t
 
 def check_replay(op: Callable[..., Any], ref: Callable[..., Any], buf: Buffers, shape: Shape,
                  l2norm: bool) -> dict[str, Any]:
-    """One step of ``op`` against the reference on copies of the pool; see the module docstring."""
+    """One step of ``op`` against ``ref`` (the reference in the buffers' layout) on copies of the pool: random
+    cursors with at least one flush row and, for ``B >= 4``, a padding row; the output poisoned with NaN first.
+    Returns the relative errors of ``out``, of the flushed checkpoints and of the appended ring entries, whether
+    padding rows are zero and non-flushed checkpoints untouched (except heads the reference rebased), and the
+    number of rebased heads."""
     B, L, dev = shape.B, shape.L, buf.state.device
     gen = buf.gen
     slots = buf.slots[0].clone()

@@ -1,9 +1,11 @@
 """Summarize an Nsight Compute SASS source page (``ncu --import R --page source --csv --print-source sass``).
 
-Prints the column totals and the instructions with the most warp-stall samples, each with its
-non-zero per-reason samples, so the hot spots of a kernel come back as a few lines of text.
+Prints the column totals and the instructions with the most warp-stall samples, each with its non-zero per-reason
+samples, so the hot spots of a kernel come back from the device as a few lines of text. Writes nothing::
 
-    python benchmarks/ncu_hot.py report.sass.csv [--top 45]
+    ncu ... -o report python3 benchmarks/profile_decode.py ...      # see profile_decode.py
+    ncu --import report.ncu-rep --page source --csv --print-source sass > report.sass.csv
+    python3 benchmarks/ncu_hot.py report.sass.csv [--top 45]
 """
 
 from __future__ import annotations
@@ -46,11 +48,11 @@ def summarize(lines: list[str], top: int = 45) -> list[str]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("csv_path")
-    ap.add_argument("--top", type=int, default=45)
-    args = ap.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv_path", help="ncu's SASS source page as CSV")
+    ap.add_argument("--top", type=int, default=45, help="instructions to list")
+    args = ap.parse_args(argv)
     with open(args.csv_path, newline="") as f:
         print("\n".join(summarize(list(f), args.top)))
 

@@ -4,6 +4,12 @@ A benchmark times another launch by passing a plan (``tp_replayssm.kernels.plan.
 globals. ``--override`` takes ``field=value`` pairs separated by commas, e.g. ``value_tile=64,vector_tiles=0`` or
 ``maxnreg=168,value_chunk=8`` (``maxnreg=none`` removes a cap); the names are ``DecodePlan``'s fields, checked when
 the arguments are parsed, and ``DecodePlan.check`` rejects a plan the call cannot run.
+
+Fields that the library derives from others follow an override of those others unless they are overridden too:
+``value_chunk`` (at most ``value_tile``), ``advance_readers`` (from ``value_tile``, with the fused advance),
+``vector_tiles`` (from the tile, chunk, warps and ``tensor_core_chunks``), ``chunk_stages`` (from
+``tensor_core_chunks``) and the pre-decayed rebase form ``predecayed_ring`` 2/3 (from ``maxnreg``). So
+``--override value_tile=64`` is the launch the library would make if it chose 64-row value tiles.
 """
 
 from __future__ import annotations
@@ -71,5 +77,29 @@ def build_plan(*, override: str | dict[str, Any] = "", **problem_kwargs: Any) ->
     prob = problem(**problem_kwargs)
     changes = override_arg(override) if isinstance(override, str) else dict(override)
     plan = dataclasses.replace(plan_decode(prob), **changes)
+    plan = dataclasses.replace(plan, **_derived(prob, plan, changes))
     plan.check(prob)
     return plan
+
+
+def _derived(prob: Any, plan: Any, changes: dict[str, Any]) -> dict[str, Any]:
+    """The derived fields (module docstring) of ``plan`` recomputed after ``changes``, except those ``changes``
+    names itself."""
+    from tp_replayssm.kernels.plan import MMA_CHUNK_STAGES, _vector_tiles, cursor_readers
+
+    out: dict[str, Any] = {}
+
+    def follow(field: str, inputs: tuple[str, ...], value: Any) -> None:
+        if field not in changes and any(name in changes for name in inputs):
+            out[field] = value() if callable(value) else value
+
+    follow("value_chunk", ("value_tile",), lambda: min(plan.value_chunk, plan.value_tile))
+    chunk = out.get("value_chunk", plan.value_chunk)
+    follow("chunk_stages", ("tensor_core_chunks",), MMA_CHUNK_STAGES if plan.tensor_core_chunks else 0)
+    follow("vector_tiles", ("value_tile", "value_chunk", "num_warps", "tensor_core_chunks"),
+           lambda: _vector_tiles(prob, plan.value_tile, chunk, plan.num_warps, plan.tensor_core_chunks))
+    if prob.advance:
+        follow("advance_readers", ("value_tile",), lambda: cursor_readers(prob, plan.value_tile))
+    if plan.predecayed_ring in (2, 3):  # unbounded gates: the rebase pass (3) goes with a register cap
+        follow("predecayed_ring", ("maxnreg",), 3 if plan.maxnreg is not None else 2)
+    return out

@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""PNG plots and a Markdown table from bench_decode's results: us/step and % of the byte floor vs batch.
+"""PNG plots and a Markdown table from ``bench_decode.py``'s results: us/step and % of the byte floor vs batch.
 
-One line per (heads, state dtype): ours solid, FLA packed dashed, same colour. One pair of figures per
-(ring length L, lower_bound) present in the results::
+Plots: one line per (heads, state dtype), ours solid, FLA's packed decode dashed, same colour; one pair of figures
+(time, % of floor) per (ring length L, lower_bound) present in the results. Table: one Markdown row per shape with
+``xFLA = fla_us / ours_us`` (below 1.00: FLA is faster) and a ``faster`` column, then a line counting the shapes
+where FLA is faster::
 
     python3 benchmarks/plot_results.py benchmarks/out/bench_decode.json [more.json ...] [--out DIR]
     python3 benchmarks/plot_results.py part1.json part2.json --table table.md --no-plots
 
-Several files (a sweep run in parts) are merged in the order given: a timed row of a later file replaces
-the row of the same shape from an earlier one (a re-run after a change), a row the earlier file skipped
-(time budget) is filled in, and an untimed row never replaces a timed one. (A CSV written by
-bench_decode works too.) The plots need matplotlib (Agg backend, no display); the table does not.
+Writes ``<stem>_time_vs_batch_L<L>_lb<lb>.png`` and ``<stem>_pct_floor_vs_batch_L<L>_lb<lb>.png`` next to the first
+results file (or into ``--out``) and, with ``--table``, the Markdown file. Several files (a sweep run in parts) are
+merged in the order given: a timed row of a later file replaces the row of the same shape from an earlier one (a
+re-run after a change), a row the earlier file skipped (time budget) is filled in, and an untimed row never replaces
+a timed one. (A CSV written by bench_decode works too.) The plots need matplotlib (Agg backend, no display); the
+table does not.
 """
 
 from __future__ import annotations
@@ -89,10 +93,35 @@ def _cell(v: Any, spec: str) -> str:
     return format(v, spec) if _ok(v) else "-"
 
 
+def _label(row: dict[str, Any]) -> str:
+    """bench_decode's label of a row's shape (``HV8 B512 L16 bf16``, ``HV16x32 B8 L16 fp32 lb-5``)."""
+    if row.get("label"):
+        return str(row["label"])
+    heads = str(row["HV"]) if row["H"] == row["HV"] else f"{row['H']}x{row['HV']}"
+    lb = "" if row.get("lower_bound") is None else f" lb{float(row['lower_bound']):g}"
+    return f"HV{heads} B{row['B']} L{row['L']} {row['state']}{lb}"
+
+
+def faster(row: dict[str, Any]) -> str | None:
+    """"ours" or "FLA": the side with less time per step at this row's shape (None unless both were timed)."""
+    if not (_ok(row.get("ours_us")) and _ok(row.get("fla_us"))):
+        return None
+    return "FLA" if row["fla_us"] < row["ours_us"] else "ours"
+
+
+def fla_summary(rows: list[dict[str, Any]]) -> str:
+    """How many of the shapes timed on both sides FLA is faster at, and which."""
+    both = [r for r in rows if faster(r)]
+    fla = [r for r in both if faster(r) == "FLA"]
+    names = ", ".join(_label(r) for r in fla)
+    return f"FLA faster at {len(fla)} of {len(both)} shapes timed on both sides" + (f": {names}" if fla else "")
+
+
 def table_markdown(rows: list[dict[str, Any]]) -> str:
-    """One Markdown row per shape, grouped by (L, lower_bound), heads descending, then state, batch."""
-    head = ("| L | lb | heads | state | B | ours us | op us | fused us | % floor | FLA us | xFLA | check |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    """One Markdown row per shape, grouped by (L, lower_bound), heads descending, then state, batch; then the
+    :func:`fla_summary` line."""
+    head = ("| L | lb | heads | state | B | ours us | op us | fused us | % floor | FLA us | xFLA | faster | check |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     order = sorted(rows, key=lambda r: (int(r["L"]), _lb_key(r.get("lower_bound")), -int(r["HV"]), -int(r["H"]),
                                        str(r["state"]), -int(r["B"])))
@@ -104,8 +133,8 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
                      f"{_cell(r.get('ours_us'), '.1f')} | {_cell(r.get('ours_op_us'), '.1f')} | "
                      f"{_cell(r.get('ours_fused_us'), '.1f')} | "
                      f"{_cell(r.get('ours_pct_floor'), '.0f')} | {_cell(r.get('fla_us'), '.1f')} | "
-                     f"{_cell(speedup, '.2f')} | {check} |")
-    return "\n".join(lines) + "\n"
+                     f"{_cell(speedup, '.2f')} | {faster(r) or '-'} | {check} |")
+    return "\n".join(lines + ["", fla_summary(rows)]) + "\n"
 
 
 def make_plots(results_path: str | Path | list[str | Path], out: str | Path | None = None,

@@ -1,16 +1,15 @@
 """Launch the decode op at one shape for Nsight Compute (``ncu``) to profile; GPU only.
 
-Builds the same problem as ``tune_decode.py`` (disjoint slot sets so the state streams from HBM),
-runs ``--warmup`` launches at ring cursor ``--cursor`` (compile + caches) and then ``--launches`` more;
-profile the later ones with ``ncu --kernel-name regex:replayssm --launch-skip <warmup>``.
+Builds the problem of ``tune_decode.py`` (``--warmup + --launches`` disjoint slot sets, so every launch reads its
+state from DRAM), then launches the op once per slot set with every row at ring cursor ``--cursor`` (``--ring - 1``
+is the flush step): the first ``--warmup`` launches compile and warm up, profile the later ones. ``--ring-layout``
+picks the rings' layout (the pool's default ``predecayed``, or ``sglang``), ``--override field=value,...`` a
+launch plan other than the library's (``benchmarks/plan_args.py``). Writes nothing itself; ncu writes its report::
 
-    ncu --clock-control none --kernel-name regex:replayssm --launch-skip 3 --launch-count 1 \
-        python benchmarks/profile_decode.py --hv 32 --batch 512 --state fp32 --cursor 8
+    ncu --clock-control none --kernel-name regex:replayssm --launch-skip 3 --launch-count 1 \\
+        python3 benchmarks/profile_decode.py --hv 32 --batch 512 --state fp32 --cursor 8
 
-``--kernel FILE`` or ``--kernel variant:NAME`` profiles a candidate kernel function instead of the
-library's (same signature; see ``benchmarks/experiments/variants.py``). ``--ring-layout predecayed`` profiles the
-pool's pre-decayed layout (softplus gate), ``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]`` one forced launch
-choice (``benchmarks/launch_args.py``) instead of the pinned one.
+``ncu_hot.py`` summarizes the report's SASS source page.
 """
 
 from __future__ import annotations
@@ -22,40 +21,38 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from launch_args import FORMAT, launch_spec_arg  # noqa: E402
-from tune_decode import make_problem, op_launch, use_kernel  # noqa: E402
+from plan_args import build_plan, override_arg  # noqa: E402
+from tune_decode import make_problem, op_launch  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--hv", type=int, default=32)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hv", type=int, default=32, help="value heads (H = HV)")
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--state", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--ring", type=int, default=16)
     ap.add_argument("--cursor", type=int, default=8, help="ring cursor of every row (ring-1 = flush step)")
+    ap.add_argument("--lower-bound", type=float, default=None, help="the gate's lower_bound (default: none)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--launches", type=int, default=2)
-    ap.add_argument("--kernel", default=None, help="a candidate kernel: FILE or variant:NAME")
-    ap.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec")
-    ap.add_argument("--config", default=None, metavar=FORMAT, type=launch_spec_arg,
-                    help="one forced launch choice instead of the pinned one")
+    ap.add_argument("--ring-layout", choices=["predecayed", "sglang"], default="predecayed")
+    ap.add_argument("--override", type=override_arg, default={}, metavar="FIELD=VALUE,...",
+                    help="fields of the library's launch plan to replace, e.g. 'value_tile=64,num_warps=1'")
     args = ap.parse_args(argv)
     if not 0 <= args.cursor < args.ring:
         ap.error(f"--cursor must be in [0, {args.ring}), got {args.cursor}")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     sdt = torch.float32 if args.state == "fp32" else torch.bfloat16
-    predecayed = args.ring_layout == "predecayed"
+    plan = build_plan(batch=args.batch, heads=args.hv, ring_length=args.ring, state=args.state,
+                      layout=args.ring_layout, lower_bound=args.lower_bound, override=args.override) \
+        if args.override else None
     prob = make_problem(args.batch, args.hv, args.hv, args.ring, sdt, n_sets=args.warmup + args.launches,
-                        predecayed=predecayed)
-    if args.kernel:
-        from experiments.variants import load_kernel
-
-        use_kernel(load_kernel(args.kernel))
-    launch = op_launch(args.config.launch_choice() if args.config else None, predecayed)
+                        ring_layout=args.ring_layout)
+    launch = op_launch(plan, args.ring_layout, args.lower_bound)
     for slots in prob["slot_sets"]:  # a fresh slot set per launch: state comes from HBM
         launch(prob, slots, args.cursor)
         torch.cuda.synchronize()

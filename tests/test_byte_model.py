@@ -1,4 +1,6 @@
-"""The decode byte model (tp_replayssm.byte_model) against hand-counted small cases. Pure, CPU, fast."""
+"""The decode byte model (tp_replayssm.kernels.byte_model) against hand-counted small cases, then the benchmark that
+measures against it (benchmarks/bench_decode.py): its shape lists, arguments, dry run, report and, on CPU tensors,
+its step closures and checks. CPU, fast (no interpreter, no GPU)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tp_replayssm.byte_model import (
+from tp_replayssm.kernels.byte_model import (
     DecodeConfig,
     dtype_bytes,
     floor_us,
@@ -168,60 +170,63 @@ def _bench_decode():
     return importlib.import_module("bench_decode")
 
 
-def test_default_plan_covers_the_issue():
+def test_standard_shapes_cover_the_regimes():
     bd = _bench_decode()
-    plan = bd.build_plan(bd.parse_args([]))
-    assert len(plan) == len(set(plan))
-    assert {s.HV for s in plan if s.H == s.HV} == {32, 16, 12, 8, 4}
-    assert any(s.HV == 2 * s.H for s in plan)
-    assert {s.L for s in plan} == {8, 16}
-    assert {s.B for s in plan} == {1, 8, 32, 128, 512}
-    assert {s.state for s in plan} == {"fp32", "bf16"}
-    assert {s.lb for s in plan} == {None, -5.0}
+    shapes = bd.shapes_from_args(bd.parse_args([]))
+    assert len(shapes) == len(set(shapes))
+    assert {s.HV for s in shapes if s.H == s.HV} == {32, 16, 12, 8, 4}
+    assert any(s.HV == 2 * s.H for s in shapes)
+    assert {s.L for s in shapes} == {8, 16}
+    assert {s.B for s in shapes} == {1, 8, 32, 128, 512}
+    assert {s.state for s in shapes} == {"fp32", "bf16"}
+    assert {s.lb for s in shapes} == {None, -5.0}
     for hv in (32, 8):  # full B sweep with both state dtypes at L = 16
         for st in ("fp32", "bf16"):
-            assert {s.B for s in plan if s.HV == s.H == hv and s.state == st and s.L == 16 and s.lb is None} \
+            assert {s.B for s in shapes if s.HV == s.H == hv and s.state == st and s.L == 16 and s.lb is None} \
                 == {1, 8, 32, 128, 512}
 
 
 def test_grid_flags_and_dry_run(capsys):
     bd = _bench_decode()
-    plan = bd.build_plan(bd.parse_args(["--heads", "16x32,4", "--batch", "1,8", "--lower-bound", "none,-5"]))
-    assert len(plan) == 2 * 2 * 2 * 2
+    shapes = bd.shapes_from_args(bd.parse_args(["--heads", "16x32,4", "--batch", "1,8", "--lower-bound", "none,-5"]))
+    assert len(shapes) == 2 * 2 * 2 * 2
     assert bd.main(["--quick", "--dry-run"]) == 0
-    assert "HV32 B512 L16 fp32" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "HV32 B512 L16 fp32" in out and "predecayed ring layout" in out
+    assert "128/16/1w vt1 pd2" in out  # the library's plan of that shape (the pool's step)
+    assert bd.main(["--heads", "8", "--batch", "128", "--state", "bf16", "--dry-run", "--override",
+                    "value_tile=64,tiny_batch=true"]) == 0
+    assert " 64/16/1w " in capsys.readouterr().out
 
 
-def test_forced_launch_choice_and_tiny_path_flags(capsys):
-    """``--config VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]``, ``--tiny-batch``, ``--vector-tiles`` and
-    ``--count-after-loads`` (they set ``configs.FORCED`` / ``FORCED_TINY_BATCH`` / ``FORCED_VECTOR_TILES`` /
-    ``FORCED_COUNT_AFTER_LOADS`` on the GPU), checked when the arguments are parsed."""
+def test_launch_plan_override_layout_and_replay_op_flags(capsys):
+    """``--override field=value,...`` (plan_args: DecodePlan's fields, checked when the arguments are parsed; every
+    shape's plan checked before any GPU work), ``--ring-layout`` (the pool's pre-decayed layout by default) and
+    ``--replay-op [NAME=]MODULE:FN``."""
     bd = _bench_decode()
-    from launch_args import LaunchSpec
-
-    args = bd.parse_args(["--config", "32:32:4", "--tiny-batch", "on"])
-    assert args.config == LaunchSpec(32, 32, 4) and args.tiny_batch == "on"
-    assert bd.parse_args(["--config", "64:16:1:0:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
-    assert bd.parse_args(["--config", "64:16:1:mma"]).config == LaunchSpec(64, 16, 1, mma=True)
-    assert bd.parse_args(["--config", "64:16:1:mma5"]).config == LaunchSpec(64, 16, 1, mma=True, stages=5)
-    assert bd.parse_args(["--config", "32:8:1:168"]).config == LaunchSpec(32, 8, 1, maxnreg=168)
-    assert bd.parse_args(["--config", "128:16:1:0:2"]).config == LaunchSpec(128, 16, 1, per_sm=2)
-    assert bd.parse_args([]).config is None and bd.parse_args([]).tiny_batch == "auto"
-    for bad in ("32:32", "32:x:4", "32:64:4", "24:8:4", "64:16:1:300", "64:16:1:0:tc", "64:16:1:0:1:1",
-                "64:16:1:0:-1", "mma", "64:16:1:mma:0", "64:16:1:mma1", "64:16:1:mma10", "64:16:1:mmax",
-                "64:16:1:mma-3"):
+    args = bd.parse_args(["--override", "value_tile=32,value_chunk=32,num_warps=4,tiny_batch=true"])
+    assert args.override == {"value_tile": 32, "value_chunk": 32, "num_warps": 4, "tiny_batch": True}
+    assert bd.parse_args(["--override", "maxnreg=none"]).override == {"maxnreg": None}
+    defaults = bd.parse_args([])
+    assert defaults.override == {} and defaults.ring_layout == "predecayed" and defaults.replay_op == []
+    plans = bd.plans_for(bd.Shape(8, 8, 512, 16, "fp32", None), bd.parse_args(["--override", "value_tile=64",
+                                                                                "--fused-advance"]))
+    assert set(plans) == {"op", "pool", "fused"} and {p.value_tile for p in plans.values()} == {64}
+    assert not plans["op"].cursor_table and plans["pool"].cursor_table and plans["fused"].advance_readers == 8 * 2
+    for bad in (["--override", "32:32:4"], ["--override", "vt=32"], ["--override", "value_tile=x"],
+                ["--ring-layout", "spec"], ["--cache-dtype", "fp16"], ["--replay-op", "no_function"]):
         with pytest.raises(SystemExit):
-            bd.parse_args(["--config", bad])
-    assert "VT:VC:WARPS" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        bd.parse_args(["--tiny-batch", "maybe"])
-    assert bd.parse_args([]).vector_tiles == "auto" and bd.parse_args(["--vector-tiles", "2"]).vector_tiles == "2"
-    with pytest.raises(SystemExit):
-        bd.parse_args(["--vector-tiles", "3"])
-    assert bd.parse_args([]).count_after_loads == "auto"
-    assert bd.parse_args(["--count-after-loads", "on"]).count_after_loads == "on"
-    with pytest.raises(SystemExit):
-        bd.parse_args(["--count-after-loads", "1"])
+            bd.parse_args(bad)
+    err = capsys.readouterr().err
+    assert "'vt=32'" in err and "value_tile: expected an int" in err and "needs --ring-layout sglang" in err
+    assert "expected [NAME=]MODULE:FN; got 'no_function'" in err
+    assert bd.parse_args(["--cache-dtype", "fp16", "--ring-layout", "sglang"]).cache_dtype == "fp16"
+    assert bd.replay_op_name("sglang_port.kda:decode") == ("decode", "sglang_port.kda:decode")
+    assert bd.replay_op_name("sg=ports.sg:Ops.decode") == ("sg", "ports.sg:Ops.decode")
+    # an override some shape cannot run: refused before any GPU work, naming the shape and the field
+    assert bd.main(["--heads", "8", "--batch", "1", "--dry-run", "--override", "predecayed_ring=0"]) == 2
+    out = capsys.readouterr().out
+    assert "HV8 B1 L16 fp32" in out and "`predecayed_ring`" in out
 
 
 def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
@@ -231,26 +236,51 @@ def test_no_cuda_exits_with_a_message(capsys, monkeypatch):
     assert "no CUDA device" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("layout", ["spec", "predecayed"])
+def test_report_shows_where_fla_is_faster():
+    """The table prints ``xFLA = fla_us / ours_us`` as it is (below 1.00 where FLA is faster), says which side won
+    each shape, and ends with the count of the shapes FLA wins; shapes not timed on both sides are not counted."""
+    import bench_report
+
+    def row(label, ours, fla, **extra):
+        r = dict(H=8, HV=8, B=8, L=16, state="fp32", lower_bound=None, label=label, ours_us=ours, fla_us=fla,
+                 ours_check="ok", **extra)
+        if ours and fla:
+            r["speedup_vs_fla"] = fla / ours
+        return r
+
+    rows = [row("HV8 B1 L16 fp32", 4.0, 3.0), row("HV8 B8 L16 fp32", 5.0, 10.0), row("HV8 B32 L16 fp32", 5.0, None,
+                                                                                      fla_error="ImportError")]
+    lines = bench_report.table_lines(rows, [])
+    head = lines[0].split()
+    assert head[head.index("xFLA") + 1] == "win"
+    first, second, third = (line.split() for line in lines[2:5])
+    assert first[head.index("xFLA")] == "0.75" and first[head.index("win")] == "FLA"
+    assert second[head.index("xFLA")] == "2.00" and second[head.index("win")] == "ours"
+    assert third[head.index("win")] == "-" and "!fla: ImportError" in lines[4]
+    assert lines[-1] == ("FLA faster at 1 of 2 shapes timed on both sides (xFLA down to 0.75 at HV8 B1 L16 fp32): "
+                         "HV8 B1 L16 fp32")
+    assert bench_report.fla_summary([rows[1]]) == "FLA faster at 0 of 1 shapes timed on both sides"
+
+
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
 def test_pool_steps_match_the_row_cursor_steps(layout):
-    """``--advance pool`` (the default): ours reads the pool's cursor table and the pool's advance kernel
-    moves it (``--fused-advance``: the decode itself); over two full cycles of two slot sets (interpreter, tiny
-    shape) every output, checkpoint and ring entry equals the row-cursor path's, and the table is back at its
-    start after each cycle. Both ring layouts (``--ring-layout predecayed``: GQA keys per value head, cumulative
-    gates)."""
+    """``--advance pool`` (the default): ours reads the pool's cursor table and the pool's advance moves it
+    (``--fused-advance``: the decode itself); over two full cycles of two slot sets (CPU tensors, tiny shape) every
+    output, checkpoint and ring entry equals the row-cursor path's, and the table is back at its start after each
+    cycle. Both ring layouts (pre-decayed: GQA keys per value head, cumulative gates)."""
     import copy
 
     import torch
 
     bd = _bench_decode()
-    from tp_replayssm import ops
+    from bench_steps import ours_op, pool_steps, replay_steps
 
     predecayed = layout == "predecayed"
     args = bd.parse_args(["--footprint-mb", "0.02", "--ring-layout", layout])
     shape = bd.Shape(H=1 if predecayed else 2, HV=2, B=3, L=4, state="fp32", lb=-5.0 if predecayed else None,
                      K=16, V=16)
     buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
-    assert buf.n_sets >= 2 and buf.k.shape[1] == 2
+    assert buf.n_sets >= 2 and buf.k.shape[1] == 2 and buf.ring_layout == layout
     if predecayed:  # a consistent pre-decayed ring: kt * exp(G) is a unit key
         keys = buf.k.float() * torch.exp(buf.g)
         torch.testing.assert_close(keys.norm(dim=-1), torch.ones(keys.shape[:-1]), rtol=2e-2, atol=0)
@@ -258,14 +288,14 @@ def test_pool_steps_match_the_row_cursor_steps(layout):
     fbuf = copy.deepcopy(buf)
     start = buf.cursor_table.clone()
     advance = bd.make_advance("torch", shape.L)
-    op = ops.replayssm_decode_predecayed if predecayed else ops.replayssm_decode
-    pool_steps = bd.replay_steps(op, buf, shape, l2norm=True, advance=advance, pool=True)
-    row_steps = bd.replay_steps(op, row, shape, l2norm=True, advance=advance)
-    fused_steps = bd.replay_steps(op, fbuf, shape, l2norm=True, advance=advance, pool=True, fused=True)
-    assert len(pool_steps) == len(row_steps) == len(fused_steps) == buf.n_sets * shape.L
-    assert all(adv is None for _, adv in fused_steps)  # --fused-advance: the decode moves the cursors
+    op = ours_op(layout)
+    pooled = pool_steps(buf, shape, l2norm=True)
+    rowed = replay_steps(op, row, shape, l2norm=True, advance=advance)
+    fused = pool_steps(fbuf, shape, l2norm=True, fused=True)
+    assert len(pooled) == len(rowed) == len(fused) == buf.n_sets * shape.L
+    assert all(adv is None for _, adv in fused)  # --fused-advance: the decode moves the cursors
     for _ in range(2):
-        for (step, adv), (rstep, radv), (fstep, _) in zip(pool_steps, row_steps, fused_steps):
+        for (step, adv), (rstep, radv), (fstep, _) in zip(pooled, rowed, fused):
             step(), adv(), rstep(), radv(), fstep()
         assert torch.equal(buf.cursor_table, start)
         assert torch.equal(fbuf.cursor_table[:-1], start[:-1])  # (padding rows' scratch entry: not moved)
@@ -274,6 +304,30 @@ def test_pool_steps_match_the_row_cursor_steps(layout):
         assert torch.equal(getattr(fbuf, name), getattr(row, name)), name
     for out, rout, fout in zip(buf.out, row.out, fbuf.out):
         assert torch.equal(out, rout) and torch.equal(fout, rout)
+
+
+def test_steps_run_the_plan_they_are_given():
+    """``--override``: ours' op and pool steps pass their plan to the launch, which refuses one that does not fit
+    the call (here a row-cursor plan on the cursor table) before anything is written."""
+    import torch
+
+    bd = _bench_decode()
+    from bench_steps import ours_op, pool_steps
+
+    args = bd.parse_args(["--footprint-mb", "0.02", "--override", "value_tile=8"])
+    shape = bd.Shape(H=2, HV=2, B=3, L=4, state="fp32", lb=None, K=16, V=16)
+    plans = bd.plans_for(shape, args)
+    buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
+    for step, adv in pool_steps(buf, shape, l2norm=True, plan=plans["pool"], sets=[0]):
+        step(), adv()
+    before = buf.state.clone()
+    with pytest.raises(ValueError, match="cursor_table"):
+        pool_steps(buf, shape, l2norm=True, plan=plans["op"], sets=[0])[0][0]()
+    with pytest.raises(ValueError, match="cursor_table"):
+        ours_op("predecayed", plans["pool"])(buf.mixed[0], buf.a[0], buf.b[0], buf.A_log, buf.dt_bias, None,
+                                             buf.state, buf.d, buf.k, buf.g, buf.out[0], buf.slots[0],
+                                             buf.wp_const[0], None, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(buf.state, before)
 
 
 def test_keys_per_value_head_count_the_predecayed_k_ring():
@@ -289,19 +343,22 @@ def test_keys_per_value_head_count_the_predecayed_k_ring():
 
 def test_replay_check_accepts_rebases_and_catches_a_missing_one():
     """``bench_decode --ring-layout predecayed --A-log-shift``: with gates strong enough that heads rebase, an
-    appending row's checkpoint is rewritten in those heads. The one-step check must pass the kernel (rebased
-    heads match the reference, the others stay bit-identical, the rebases counted) and fail an op that skips the
-    checkpoint write of a rebase."""
+    appending row's checkpoint is rewritten in those heads. The one-step check must pass the op (rebased heads match
+    the reference, the others stay bit-identical, the rebases counted) and fail an op that skips the checkpoint write
+    of a rebase."""
+    import functools
+
     import torch
 
     bd = _bench_decode()
-    from bench_steps import check_replay
-    from tp_replayssm import ops, reference
+    from bench_steps import check_replay, ours_op
+    from tp_replayssm import reference
 
+    ref = functools.partial(reference.replayssm_decode, ring_layout="predecayed")
     args = bd.parse_args(["--footprint-mb", "0.02", "--ring-layout", "predecayed", "--A-log-shift", "6"])
     shape = bd.Shape(H=1, HV=2, B=4, L=4, state="fp32", lb=None, K=16, V=16)
     buf = bd.Buffers(shape, args, torch.device("cpu"), l2_bytes=0, need_fla=False)
-    good = check_replay(ops.replayssm_decode_predecayed, reference.replayssm_decode_predecayed, buf, shape, True)
+    good = check_replay(ours_op("predecayed"), ref, buf, shape, True)
     assert good["rebased"] > 0 and good["untouched_ok"] and good["pad_ok"], good
     assert max(good["err_out"], good["err_state"], good["err_ring"]) < 1e-2, good
 
@@ -309,8 +366,8 @@ def test_replay_check_accepts_rebases_and_catches_a_missing_one():
         state, slots, wp = a[6], a[11], a[12]
         keep = (slots >= 0) & (wp != shape.L - 1)
         saved = state[slots[keep].long()].clone()
-        reference.replayssm_decode_predecayed(*a, **kw)
+        ref(*a, **kw)
         state[slots[keep].long()] = saved
 
-    bad = check_replay(no_rebase_write, reference.replayssm_decode_predecayed, buf, shape, True)
+    bad = check_replay(no_rebase_write, ref, buf, shape, True)
     assert bad["err_state"] > 1e-2, bad

@@ -1,9 +1,12 @@
-"""The CPU-side profiling helpers in benchmarks/: the SASS instruction-mix reader (sass_loops.py), the
-Nsight Compute source-page summary (ncu_hot.py) and tune_decode's swap of the kernel function for a
-candidate file. Synthetic inputs with known answers; no GPU."""
+"""The CPU side of the benchmark tools in benchmarks/: launch plans from the command line (plan_args.py), the SASS
+instruction-mix reader (sass_loops.py), the Nsight Compute source-page summary (ncu_hot.py), the argument parsing and
+problem set-up of tune_decode.py / profile_decode.py / bench_pool_overhead.py, plot_results.py's merged table and
+sass_hashes.py's program list. Synthetic inputs with known answers; no GPU, no interpreter."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -14,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import ncu_hot  # noqa: E402
+import plan_args  # noqa: E402
 import sass_loops  # noqa: E402
 
 SASS = """
@@ -44,8 +48,7 @@ def test_sass_loops_counts_the_loop_body_between_target_and_backward_branch() ->
 def test_sass_loops_main_reports_each_backward_branch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "k.sass"
     f.write_text(SASS)
-    sys.argv = ["sass_loops.py", str(f)]
-    sass_loops.main()
+    sass_loops.main([str(f)])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("kernel:") and len(lines) == 2
     assert lines[1].startswith("loop 0x0040-0x0080:") and " 5 instr" in lines[1]
@@ -68,70 +71,128 @@ def test_ncu_hot_ranks_instructions_by_samples_and_tolerates_extra_fields() -> N
     assert ncu_hot.summarize(["not csv\n"]) == ["ncu_hot: no rows"]
 
 
-def test_profile_decode_takes_the_layout_and_a_forced_launch_choice(capsys: pytest.CaptureFixture[str]) -> None:
-    """``profile_decode.py --ring-layout`` / ``--config`` (the launch-choice form of ``launch_args``) and its cursor
-    check, at argument time (the rest needs a GPU)."""
-    import profile_decode
-    from launch_args import LaunchSpec
+# --- plan_args: launch plans from a command line -----------------------------------------------------------------
 
-    args = profile_decode.parse_args(["--hv", "4", "--batch", "128", "--state", "bf16", "--ring-layout", "predecayed",
-                                      "--config", "64:16:1:mma5"])
-    assert (args.hv, args.batch, args.state, args.ring_layout) == (4, 128, "bf16", "predecayed")
-    assert args.config == LaunchSpec(64, 16, 1, mma=True, stages=5)
+
+def test_override_arg_parses_fields_and_values() -> None:
+    assert plan_args.override_arg("") == {}
+    assert plan_args.override_arg("value_tile=64,vector_tiles=0") == {"value_tile": 64, "vector_tiles": 0}
+    assert plan_args.override_arg(" maxnreg = none , tiny_batch=true,evict_state_first=off") == {
+        "maxnreg": None, "tiny_batch": True, "evict_state_first": False}
+    assert plan_args.override_arg("tensor_core_chunks=False,predecayed_ring=3") == {
+        "tensor_core_chunks": False, "predecayed_ring": 3}
+
+
+@pytest.mark.parametrize("text, named", [
+    ("vt=64", "'vt=64'"),  # not a DecodePlan field
+    ("value_tile", "'value_tile'"),  # no value
+    ("value_tile=64,count_after_loads=1", "'count_after_loads=1'"),  # a field the plan no longer has
+])
+def test_override_arg_rejects_unknown_fields_naming_them(text: str, named: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        plan_args.override_arg(text)
+    assert named in str(err.value) and "value_tile" in str(err.value)  # the item, and the fields it may name
+
+
+def test_override_arg_rejects_bad_values_naming_field_and_value(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match=r"value_tile: expected an int, true/false or none; got 'big'"):
+        plan_args.override_arg("value_tile=big")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"maxnreg: .* got '1.5'"):
+        plan_args.override_arg("num_warps=1,maxnreg=1.5")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--override", type=plan_args.override_arg)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--override", "value_chunk=many"])
+    assert "value_chunk: expected an int, true/false or none; got 'many'" in capsys.readouterr().err
+
+
+def test_build_plan_is_the_librarys_plan_with_the_override() -> None:
+    from tp_replayssm.kernels.plan import plan_decode
+
+    kw = dict(batch=128, heads=8, state="fp32", layout="predecayed")
+    library = plan_decode(plan_args.problem(**kw))
+    assert plan_args.build_plan(**kw) == library
+    tiny = plan_args.build_plan(**kw, override="tiny_batch=true,evict_state_first=true")
+    assert tiny == dataclasses.replace(library, tiny_batch=True, evict_state_first=True)
+    assert plan_args.build_plan(**kw, override={"maxnreg": 168}).maxnreg == 168
+
+
+def test_build_plan_rederives_the_fields_that_follow_an_override() -> None:
+    """A field the library derives from others follows their override unless it is overridden too: the fused
+    advance's reader count follows the value tile, the chunk stages and vector tiles the tensor-core switch, the
+    pre-decayed rebase form (2/3) the register cap."""
+    fused = dict(batch=128, heads=8, layout="predecayed", advance=True)
+    base = plan_args.build_plan(**fused)
+    assert (base.value_tile, base.advance_readers) == (128, 8)
+    wide = plan_args.build_plan(**fused, override="value_tile=64")
+    assert (wide.value_tile, wide.value_chunk, wide.advance_readers) == (64, 16, 16)
+    narrow = plan_args.build_plan(**fused, override="value_tile=8")
+    assert (narrow.value_chunk, narrow.advance_readers) == (8, 128)
+    mma = plan_args.build_plan(batch=4096, heads=8, state="bf16")
+    assert mma.tensor_core_chunks and mma.chunk_stages == 3 and mma.vector_tiles == 0 and mma.predecayed_ring == 3
+    reg = plan_args.build_plan(batch=4096, heads=8, state="bf16", override="tensor_core_chunks=false,maxnreg=none")
+    assert (reg.chunk_stages, reg.vector_tiles, reg.predecayed_ring) == (0, 1, 2)
+    kept = plan_args.build_plan(batch=4096, heads=8, state="bf16", override="maxnreg=none,predecayed_ring=3")
+    assert (kept.maxnreg, kept.predecayed_ring) == (None, 3)
+
+
+@pytest.mark.parametrize("kw, override, field", [
+    (dict(batch=128, heads=8, layout="predecayed"), "predecayed_ring=0", "predecayed_ring"),
+    (dict(batch=128, heads=8, layout="sglang"), "predecayed_ring=2", "predecayed_ring"),
+    (dict(batch=128, heads=8, advance=True), "advance_readers=3", "advance_readers"),
+    (dict(batch=128, heads=8), "advance_readers=8", "advance_readers"),  # a count without the fused advance
+    (dict(batch=128, heads=8), "cursor_table=true", "cursor_table"),
+    (dict(batch=128, heads=8, ring_length=16), "ring_length=8", "ring_length"),
+    (dict(batch=4096, heads=8, state="bf16"), "vector_tiles=1", "vector_tiles"),  # not on tensor-core chunks
+])
+def test_build_plan_refuses_an_override_the_call_cannot_run(kw: dict, override: str, field: str) -> None:
+    with pytest.raises(ValueError, match=f"DecodePlan: `{field}`"):
+        plan_args.build_plan(**kw, override=override)
+
+
+# --- profile_decode.py / tune_decode.py ---------------------------------------------------------------------------
+
+
+def test_profile_decode_takes_the_layout_and_a_plan_override(capsys: pytest.CaptureFixture[str]) -> None:
+    """``profile_decode.py --ring-layout`` / ``--override`` (plan_args' form) and its cursor check, at argument
+    time (the rest needs a GPU)."""
+    import profile_decode
+
+    args = profile_decode.parse_args(["--hv", "4", "--batch", "128", "--state", "bf16", "--ring-layout", "sglang",
+                                      "--override", "value_tile=64,tensor_core_chunks=true,chunk_stages=5"])
+    assert (args.hv, args.batch, args.state, args.ring_layout) == (4, 128, "bf16", "sglang")
+    assert args.override == {"value_tile": 64, "tensor_core_chunks": True, "chunk_stages": 5}
     defaults = profile_decode.parse_args([])
-    assert defaults.ring_layout == "spec" and defaults.config is None and defaults.cursor == 8
-    for bad in (["--cursor", "16"], ["--config", "64:16"], ["--ring-layout", "ring"]):
+    assert defaults.ring_layout == "predecayed" and defaults.override == {} and defaults.cursor == 8
+    for bad in (["--cursor", "16"], ["--override", "64:16:1"], ["--ring-layout", "spec"]):
         with pytest.raises(SystemExit):
             profile_decode.parse_args(bad)
     err = capsys.readouterr().err
-    assert "--cursor must be in [0, 16), got 16" in err and "VT:VC:WARPS" in err
+    assert "--cursor must be in [0, 16), got 16" in err and "expected field=value" in err and "'64:16:1'" in err
 
 
-def test_tune_decode_swaps_the_kernel_function_and_restores_it(tmp_path: Path) -> None:
+def test_tune_decode_candidates_are_plan_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune_decode.py --override`` takes one plan_args string per candidate, parsed at argument time; the library's
+    plan (``default``) is always timed first, alone with ``--default-only``."""
     import tune_decode
-    from experiments.variants import load_kernel
 
-    from tp_replayssm import kernel
-
-    original = kernel.replayssm_decode_kernel
-    candidate = tmp_path / "cand.py"
-    candidate.write_text("def replayssm_decode_kernel(*args):\n    return 'candidate'\n")
-    try:
-        kernel._BY_CONFIG[0] = ("stale", "entry")
-        tune_decode.use_kernel(load_kernel(str(candidate)))
-        assert kernel.replayssm_decode_kernel is not original
-        assert kernel.replayssm_decode_kernel() == "candidate"
-        assert not kernel._BY_CONFIG  # compiled kernels of the previous function are dropped
-    finally:
-        tune_decode.use_kernel(None)
-    assert kernel.replayssm_decode_kernel is original
-
-
-def test_tune_decode_candidates_use_the_shared_launch_choice_form(capsys: pytest.CaptureFixture[str]) -> None:
-    """``tune_decode.py --cands`` parses the same ``VT:VC:WARPS[:MAXNREG[:PER_SM]][:mma[N]]`` as ``bench_decode.py
-    --config`` (``benchmarks/launch_args.py``), at argument time, and builds the launch choice it names."""
-    import tune_decode
-    from launch_args import LaunchSpec, switch
-
-    from tp_replayssm import configs
-
-    args = tune_decode.parse_args(["--cands", "64:16:1:168:2", "32:16:1:mma", "64:16:1:mma5", "--tiny-batch", "off"])
-    assert args.cands == [LaunchSpec(64, 16, 1, 168, 2), LaunchSpec(32, 16, 1, mma=True),
-                          LaunchSpec(64, 16, 1, mma=True, stages=5)]
-    assert switch(args.tiny_batch) is False and switch(args.rebase_pass) is None and switch("on") is True
-    assert [c.launch_choice() for c in tune_decode.parse_args([]).cands] == [
-        configs.LaunchChoice(configs.launch_config(vt, w), vc) for vt, vc, w in
-        ((128, 16, 1), (64, 16, 1), (32, 16, 1), (128, 16, 4))]
-    capped = args.cands[0].launch_choice()
-    assert (capped.maxnreg, capped.value_chunk, capped.mma_chunks) == (168, 16, False)
-    assert capped.config.config["num_sm_multiplier"] == 2 and capped.config.config["block_sizes"] == [64]
-    mma = args.cands[1].launch_choice()
-    assert mma.mma_chunks and mma.config is configs.launch_config(32, 1, chunk_stages=3) and mma.maxnreg is None
-    deep = args.cands[2].launch_choice()
-    assert deep.mma_chunks and deep.config.config["range_num_stages"] == [0, 5, 0]
+    args = tune_decode.parse_args(["--override", "value_tile=64,maxnreg=168", "tiny_batch=true", "--hv", "8"])
+    assert args.override == [{"value_tile": 64, "maxnreg": 168}, {"tiny_batch": True}]
+    assert tune_decode.candidates(args) == [{}, {"value_tile": 64, "maxnreg": 168}, {"tiny_batch": True}]
+    assert [tune_decode.candidate_name(c) for c in tune_decode.candidates(args)] == [
+        "default", "value_tile=64,maxnreg=168", "tiny_batch=True"]
+    defaults = tune_decode.parse_args([])
+    assert [c["value_tile"] for c in defaults.override] == [128, 64, 32, 128]
+    assert defaults.override[-1]["num_warps"] == 4 and defaults.ring_layout == "predecayed"
+    assert tune_decode.candidates(tune_decode.parse_args(["--default-only"])) == [{}]
+    # the plans the candidates name, at one shape
+    plans = [plan_args.build_plan(batch=512, heads=32, override=c) for c in tune_decode.candidates(args)]
+    assert plans[1].value_tile == 64 and plans[1].maxnreg == 168 and plans[2].tiny_batch
     with pytest.raises(SystemExit):
-        tune_decode.parse_args(["--cands", "64:16"])
-    assert "VT:VC:WARPS" in capsys.readouterr().err
+        tune_decode.parse_args(["--override", "64:16:1"])
+    with pytest.raises(SystemExit):
+        tune_decode.parse_args(["--state", "fp16"])
+    assert "expected field=value" in capsys.readouterr().err
 
 
 def test_tune_decode_cycles_past_the_l2_by_default() -> None:
@@ -165,30 +226,6 @@ def test_tune_decode_captures_many_slot_sets_per_graph() -> None:
     assert len(tune_decode.graph_groups(256, 16)) == 16
 
 
-from experiments import variants  # noqa: E402
-
-
-@pytest.mark.parametrize("name", sorted(variants.VARIANTS))
-def test_each_kernel_variant_applies_and_keeps_the_library_signature(name: str, tmp_path: Path) -> None:
-    """tune_decode.py --kernel passes the library's argument tuple to a variant: every edit must still
-    fit the current kernel (exactly once) and the parameters must not change."""
-    import inspect
-
-    from tp_replayssm import kernel
-
-    text = variants.source(name)
-    assert "VARIANT" in text or "dot_precision" in text
-    fn = variants.load_kernel(str(variants.materialize(name, tmp_path)))
-    assert list(inspect.signature(fn).parameters) == list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-
-
-def test_kernel_variant_that_no_longer_fits_is_refused() -> None:
-    with pytest.raises(ValueError, match="unknown variant"):
-        variants.source("no_such_variant")
-    with pytest.raises(ValueError, match="found it 0 times"):
-        variants.source("replay_flush", kernel_source='"""doc"""\ndef replayssm_decode_kernel():\n    pass\n')
-
-
 def _bench_row(B: int, ours_us: float | None, **extra: object) -> dict[str, object]:
     row: dict[str, object] = dict(H=8, HV=8, K=128, V=128, B=B, L=16, state="bf16", cache="bf16", act="bf16",
                                   lower_bound=None, ours_us=ours_us, ours_op_us=ours_us, ours_pct_floor=60.0,
@@ -200,7 +237,8 @@ def _bench_row(B: int, ours_us: float | None, **extra: object) -> dict[str, obje
 def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
     """A sweep run in parts: a later file's timed row replaces the same shape's earlier row (a re-run after a
     change) and fills in a row the earlier part skipped; an untimed (skipped) row never replaces a timed
-    one; the lower bound -5 and -5.0 are one shape. The Markdown table has one line per shape."""
+    one; the lower bound -5 and -5.0 are one shape. The Markdown table has one line per shape, says which side is
+    faster (an xFLA below 1.00 is printed as it is) and ends with the count of the shapes where FLA is faster."""
     import json
 
     import plot_results
@@ -211,15 +249,19 @@ def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
         _bench_row(32, 9.0), _bench_row(128, 20.0), _bench_row(512, None, skipped="time budget"),
         _bench_row(8, 5.0, lower_bound=-5)]}))
     second.write_text(json.dumps({"meta": {}, "results": [
-        _bench_row(128, 17.0), _bench_row(512, 70.0), _bench_row(32, None, skipped="time budget"),
+        _bench_row(128, 17.0), _bench_row(512, 70.0, label="HV8 B512 L16 bf16"),
+        _bench_row(32, None, skipped="time budget"),
         _bench_row(8, 4.0, lower_bound=-5.0)]}))
     rows, meta = plot_results.merge_results([first, second])
     assert meta == {"gpu": "X"}
     assert {(r["B"], plot_results._lb_key(r["lower_bound"])): r["ours_us"] for r in rows} == {
         (32, "none"): 9.0, (128, "none"): 17.0, (512, "none"): 70.0, (8, "-5"): 4.0}
     table = plot_results.table_markdown(rows).splitlines()
-    assert len(table) == 2 + 4
-    assert table[-1] == "| 16 | none | 8 | bf16 | 32 | 9.0 | 9.0 | - | 60 | 10.0 | 1.11 | ok |"
+    assert len(table) == 2 + 4 + 2
+    assert table[-3] == "| 16 | none | 8 | bf16 | 32 | 9.0 | 9.0 | - | 60 | 10.0 | 1.11 | ours | ok |"
+    assert "| 16 | none | 8 | bf16 | 512 | 70.0 | 70.0 | - | 60 | 10.0 | 0.14 | FLA | ok |" in table
+    assert table[-2:] == ["", "FLA faster at 2 of 4 shapes timed on both sides: HV8 B128 L16 bf16, "
+                              "HV8 B512 L16 bf16"]
     out = tmp_path / "t.md"
     assert plot_results.main([str(first), str(second), "--table", str(out), "--no-plots"]) == 0
     assert out.read_text().splitlines() == table
@@ -228,41 +270,51 @@ def test_plot_results_merges_parts_later_timed_rows_win(tmp_path: Path) -> None:
 def test_tune_decode_predecayed_problem_runs_the_layouts_op() -> None:
     """``tune_decode.py --ring-layout predecayed``: the problem's rings are a consistent pre-decayed layout (keys
     per value head, ``kt * exp(G)`` unit-scale keys) and ``op_launch`` runs the layout's op on them, matching
-    its reference (interpreter, tiny shape, every cursor phase)."""
-    import torch
-
+    its reference (CPU tensors: the library's torch path; tiny shape, every cursor phase). A plan that cannot run
+    the call is refused before anything is written."""
     import tune_decode
     from tp_replayssm import reference
 
-    prob = tune_decode.make_problem(2, 1, 2, 3, torch.float32, 1, K=16, V=16, predecayed=True, device="cpu")
+    prob = tune_decode.make_problem(2, 1, 2, 3, torch.float32, 1, K=16, V=16, ring_layout="predecayed", device="cpu")
     assert prob["kc"].shape == (2, 2, 3, 16)
     assert torch.isfinite(prob["kc"].float() * torch.exp(prob["g"])).all()
-    launch = tune_decode.op_launch(None, predecayed=True, lower_bound=-5.0)
+    plan = plan_args.build_plan(batch=2, heads=2, q_heads=1, key_dim=16, value_dim=16, ring_length=3,
+                                layout="predecayed", lower_bound=-5.0, override="value_tile=8")
     slots = prob["slot_sets"][0]
-    for c in range(3):
-        want = {k: prob[k].clone() for k in ("st", "d", "kc", "g")}
-        out = torch.empty_like(prob["out"])
-        inp, p = prob["inputs"][c], prob["p"]
-        reference.replayssm_decode_predecayed(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, want["st"],
-                                              want["d"], want["kc"], want["g"], out, slots, prob["cursors"][c], None,
-                                              True, -5.0)
-        launch(prob, slots, c)
-        torch.testing.assert_close(prob["out"].float(), out.float(), rtol=2e-2, atol=2e-3)
-        for k in want:
-            torch.testing.assert_close(prob[k].float(), want[k].float(), rtol=2**-7, atol=1e-5)
+    for launch in (tune_decode.op_launch(None, "predecayed", lower_bound=-5.0),
+                   tune_decode.op_launch(plan, "predecayed", lower_bound=-5.0)):
+        for c in range(3):
+            want = {k: prob[k].clone() for k in ("st", "d", "kc", "g")}
+            out = torch.empty_like(prob["out"])
+            inp, p = prob["inputs"][c], prob["p"]
+            reference.replayssm_decode(inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, None, want["st"], want["d"],
+                                       want["kc"], want["g"], out, slots, prob["cursors"][c], None, True, -5.0,
+                                       ring_layout="predecayed")
+            launch(prob, slots, c)
+            torch.testing.assert_close(prob["out"].float(), out.float(), rtol=2e-2, atol=2e-3)
+            for k in want:
+                torch.testing.assert_close(prob[k].float(), want[k].float(), rtol=2**-7, atol=1e-5)
+    before = prob["st"].clone()
+    sglang_plan = plan_args.build_plan(batch=2, heads=2, q_heads=1, key_dim=16, value_dim=16, ring_length=3,
+                                       layout="sglang", lower_bound=-5.0)
+    with pytest.raises(ValueError, match="predecayed_ring"):
+        tune_decode.op_launch(sglang_plan, "predecayed", lower_bound=-5.0)(prob, slots, 0)
+    assert torch.equal(prob["st"], before)
 
 
 def test_pool_overhead_fused_step_matches_the_pool_step() -> None:
     """``bench_pool_overhead.py --fused-advance``: the step whose last decode moves the cursors leaves the pool as
-    the step with ``pool.advance`` does (interpreter, tiny shape, two layers, one full cursor cycle of each slot
-    set), and the cursors back at their start after the cycle."""
+    the step with ``pool.advance`` does (CPU tensors, tiny shape, two layers, one full cursor cycle of each slot
+    set), and the cursors back at their start after the cycle. The pool and its bare twin share the ring layout."""
     import copy
 
     import bench_pool_overhead as bpo
 
     args = bpo.parse_args(["--layers", "2", "--ring", "3", "--key-dim", "16", "--value-dim", "16", "--state", "fp32",
                            "--act-dtype", "fp32", "--footprint-mb", "0.001", "--max-graph-steps", "12"])
+    assert args.ring_layout == "predecayed"
     su = bpo.Setup(2, 2, args, torch.device("cpu"), 0, ops_fn=None)
+    assert su.pool.ring_layout == "predecayed" and su.bare[0][2].shape == su.pool.k_cache[0].shape
     twin = copy.deepcopy(su)
     start = su.pool.cursors.clone()
     for si in range(su.n_sets):
@@ -281,25 +333,19 @@ def test_sass_hashes_names_one_shape_per_compiled_program() -> None:
     """benchmarks/sass_hashes.py: every kind of program the library launches has one entry (no compile here)."""
     import sass_hashes
 
-    from tp_replayssm._validation import DecodeDims
-    from tp_replayssm.configs import LaunchChoice, select_config, vector_tiles
-
     kinds = sass_hashes.launch_kinds()
     assert len(kinds) >= 100  # launch_kinds raises if two kinds share a name
-    assert {kw["predecayed"] for kw in kinds.values()} == {False, True}
-    assert {(kw["tiny"], kw["mma_chunks"], kw["lower_bound"], kw["advance_cursors"] > 0) for kw in kinds.values()} \
+    plans = [kw["plan"] for kw in kinds.values()]
+    assert {p.predecayed_ring > 0 for p in plans} == {False, True}
+    assert {(p.tiny_batch, p.tensor_core_chunks, p.use_lower_bound, p.advance_readers > 0) for p in plans} \
         == {(t, m, lb, f) for t in (False, True) for m in (False, True) for lb in (False, True) for f in (False, True)
             if not (t and m)}  # tiny batches never take the tensor-core chunks
-    # every value of the vector-tile switch, and the one cell under issue 5's target (HV4 B128 bf16 pre-decayed,
-    # 64:16:1 vector tiles) as the program of some shape
-    tiles = {vector_tiles(LaunchChoice(kw["config"], kw["vc"], kw["maxnreg"], kw["mma_chunks"]),
-                          torch.float32 if kw["state"] == "fp32" else torch.bfloat16, 128) for kw in kinds.values()}
-    assert tiles == {0, 1, 2}
-    dims = DecodeDims(128, 4, 4, 128, 128, 16, 128)
-    choice = select_config(dims, torch.bfloat16, torch.device("cuda", 0), predecayed=True)
-    assert any(str(kw["config"]) == str(choice.config) and kw["vc"] == choice.value_chunk and kw["predecayed"]
-               and kw["state"] == "bf16" and not kw["lower_bound"] and not kw["advance_cursors"]
-               for kw in kinds.values())
+    # every value of the vector-tile switch, and the program of HV4 B128 bf16 pre-decayed (64:16, one warp, the
+    # append loop's vector tiles) as the one of some shape
+    assert {p.vector_tiles for p in plans} == {0, 1, 2}
+    target = plan_args.build_plan(batch=128, heads=4, state="bf16", layout="predecayed")
+    assert (target.value_tile, target.value_chunk, target.num_warps, target.vector_tiles) == (64, 16, 1, 1)
+    assert any(kw["plan"] == target and kw["state"] == "bf16" for kw in kinds.values())
 
 
 def test_sass_hashes_ignore_addresses_and_encodings_not_instructions() -> None:

@@ -1,6 +1,6 @@
-"""The shapes ``bench_decode.py`` times: the :class:`Shape` record, the default and quick plans, and the
-grid flags (``--heads 32,16x32 --batch 1,8 --state fp32,bf16 --ring 16 --lower-bound none,-5``) turned
-into a plan. Pure Python; ``tests/test_byte_model.py`` checks the plans on CPU."""
+"""The shapes ``bench_decode.py`` times: the :class:`Shape` record, the standard and quick shape lists, and the
+grid flags (``--heads 32,16x32 --batch 1,8 --state fp32,bf16 --ring 16 --lower-bound none,-5``) turned into a
+list. Pure Python (no torch); ``tests/test_byte_model.py`` checks the lists on CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 
-from tp_replayssm.byte_model import DecodeConfig
+from tp_replayssm.kernels.byte_model import DecodeConfig
 
 STATE_DTYPES = ("fp32", "bf16")
 ALL_B = (1, 8, 32, 128, 512)
@@ -16,6 +16,9 @@ ALL_B = (1, 8, 32, 128, 512)
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
+    """One benchmark shape: ``H`` q/k heads, ``HV`` value heads, batch ``B``, ring length ``L``, checkpoint dtype
+    ``state``, gate ``lower_bound`` ``lb`` (None: unbounded), key and value widths ``K``, ``V``."""
+
     H: int
     HV: int
     B: int
@@ -31,10 +34,12 @@ class Shape:
         lb = "" if self.lb is None else f" lb{self.lb:g}"
         return f"HV{heads} B{self.B} L{self.L} {self.state}{lb}"
 
-    def config(self, cache: str, act: str, keys_per_value_head: bool = False) -> DecodeConfig:
+    def config(self, cache: str, act: str, ring_layout: str = "predecayed") -> DecodeConfig:
+        """The byte model's description of one step at this shape (the pre-decayed layout keeps one ring key
+        per value head)."""
         return DecodeConfig(self.B, self.H, self.HV, key_dim=self.K, value_dim=self.V, ring_length=self.L,
                             state_dtype=self.state, cache_dtype=cache, act_dtype=act, lower_bound=self.lb,
-                            keys_per_value_head=keys_per_value_head)
+                            keys_per_value_head=ring_layout == "predecayed")
 
 
 def _dedupe(shapes: list[Shape]) -> list[Shape]:
@@ -53,8 +58,10 @@ def _grid(heads: Sequence[tuple[int, int]], batches: Sequence[int], rings: Seque
             for (H, HV) in heads for L in rings for lb in lbs for st in states for B in batches]
 
 
-def default_plan() -> list[Shape]:
-    """The issue's sweep, cut: full B sweep where it matters most, spot checks elsewhere (priority order)."""
+def standard_shapes() -> list[Shape]:
+    """The baseline table's shapes, in priority order (a run cut by its time budget keeps the first ones): the full
+    batch sweep at the Kimi-Linear head counts of TP1 and TP4, spot checks at other head counts, GQA, a bounded
+    gate and a shorter ring."""
     both = ("fp32", "bf16")
     shapes = []
     shapes += _grid([(32, 32), (8, 8)], ALL_B, (16,), both, (None,))  # 20: TP1 / TP4 of Kimi-Linear
@@ -65,13 +72,14 @@ def default_plan() -> list[Shape]:
     return _dedupe(shapes)
 
 
-def quick_plan() -> list[Shape]:
+def quick_shapes() -> list[Shape]:
+    """Eight shapes across the launch regimes (``--quick``)."""
     return [
         Shape(32, 32, 512, 16, "fp32", None),
         Shape(32, 32, 512, 16, "bf16", None),
         Shape(8, 8, 512, 16, "fp32", None),
         Shape(8, 8, 512, 16, "bf16", None),
-        Shape(32, 32, 128, 16, "fp32", None),  # issue 5's floor target starts at B = 128
+        Shape(32, 32, 128, 16, "fp32", None),
         Shape(8, 8, 1, 16, "fp32", None),
         Shape(32, 32, 8, 16, "fp32", None),
         Shape(16, 32, 128, 16, "bf16", -5.0),
@@ -107,7 +115,9 @@ def _parse_lbs(text: str) -> list[float | None]:
     return out
 
 
-def build_plan(args: argparse.Namespace) -> list[Shape]:
+def shapes_from_args(args: argparse.Namespace) -> list[Shape]:
+    """The shapes ``bench_decode.py``'s arguments name: a grid when any grid flag is given, else the quick or the
+    standard list; then ``--start-at`` / ``--max-shapes``."""
     grid_flags = (args.heads, args.batch, args.state, args.ring, args.lower_bound)
     if any(f is not None for f in grid_flags):
         shapes = _grid(
@@ -119,9 +129,9 @@ def build_plan(args: argparse.Namespace) -> list[Shape]:
             args.key_dim, args.value_dim,
         )
     elif args.quick:
-        shapes = quick_plan()
+        shapes = quick_shapes()
     else:
-        shapes = default_plan()
+        shapes = standard_shapes()
     for s in shapes:
         if s.state not in STATE_DTYPES:
             raise SystemExit(f"bench_decode: unknown state dtype {s.state!r}; use fp32 or bf16")
