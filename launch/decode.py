@@ -4,22 +4,26 @@
     torchrun --standalone --nproc-per-node 8 launch/decode.py --device cuda --shape kimi-linear
     torchrun --standalone --nproc-per-node 2 launch/decode.py --inject-fault cache-device
 
-Every rank builds its shard of a multi-layer :class:`tp_replayssm.ReplaySSMStatePool` (collective
-construction = the first placement check), then runs an engine loop: requests arrive (``alloc`` and a
-prefill by ``load_state`` with random states), every step runs a tiny TP KDA layer stack around the
-pool (RMSNorm, column-parallel q/k/v/a/b projections of the rank's heads from the hidden vector
-``x [B, D]``, ``pool.decode``, row-parallel output projection ``[B, HV_l*V] @ [HV_l*V, D]`` and an
-``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last layer's decode moves the
-cursors), and requests finish (their last token force-flushes the ring) and free their slot. Rows without
-a request are padding rows (slot ``-1``), so the batch shape never changes. Every rank checks a sample of rows
-against the float64 oracle :class:`tp_replayssm.testing.PlainKDA` (outputs from the state ``read_state`` gave
-before the step, and the state after it), and the job exits non-zero on any mismatch. Rank 0 prints a
-summary: tokens/s, achieved state GB/s, memory per rank, placement-check cost.
+Every rank builds its shard of a multi-layer ReplaySSMStatePool (collective construction = the first placement
+check), then runs an engine loop: requests arrive (``alloc`` and a prefill by ``load_state`` with random states),
+every step runs a tiny TP KDA layer stack around the pool (RMSNorm, column-parallel q/k/v/a/b projections of the
+rank's heads from the hidden vector ``x [B, D]``, ``pool.decode``, row-parallel output projection
+``[B, HV_l*V] @ [HV_l*V, D]`` and an ``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last
+layer's decode moves the cursors), and requests finish (their last token force-flushes the ring) and free their
+slot. Rows without a request are padding rows (slot -1), so the batch shape never changes. Every rank checks a
+sample of rows against the float64 oracle tp_replayssm.testing.PlainKDA (outputs from the state ``read_state`` gave
+before the step, and the state after it). On CPU tensors the library runs its PyTorch path; no environment variable
+is needed.
 
-All ranks draw the same scheduling and activation random numbers (one seed), so row ``b`` is the
-same request on every rank; weights are generated per head block, so each rank materializes only
-its own column/row slices. ``--inject-fault KIND`` makes the last rank misplaced or disagreeing to
-demonstrate each placement error: every rank then raises the same ``PlacementError``.
+All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
+rank; weights are generated per head block, so each rank materializes only its own column/row slices.
+``--inject-fault KIND`` makes the last rank misplaced or disagreeing to demonstrate each placement error: every rank
+then raises the same PlacementError.
+
+Output: rank 0 prints a summary (tokens/s, achieved state GB/s, memory per rank, placement-check cost) that ends
+with "RESULT: OK". On any error (a placement fault, a sampled row that mismatched the oracle) every rank logs the
+error's text once, prints one line "RESULT: FAIL <ErrorType>: <first line of the message>" and exits with status 1;
+the traceback is logged at DEBUG level (--log-level DEBUG).
 """
 
 from __future__ import annotations
@@ -31,6 +35,12 @@ import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tp_replayssm.tp.distributed import DistEnv
 
 SHAPES = {
     # H q/k heads, HV value heads, K, V, layers, hidden size D
@@ -39,42 +49,59 @@ SHAPES = {
 }
 FAULTS = ("pool-device", "cache-device", "activation-device", "same-device", "ring-length", "num-slots",
           "num-layers", "state-dtype", "cache-dtype", "tp-rank")
+RING_LAYOUTS = ("predecayed", "sglang")  # tp_replayssm.validation.RING_LAYOUTS (not imported: --help stays fast)
 
 log = logging.getLogger("decode")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description as written (its command lines keep their layout), and every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                                formatter_class=_HelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
-    p.add_argument("--shape", choices=tuple(SHAPES), default="tiny")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="tiny",
+                   help="head geometry and layer count: tiny (H=2 HV=4 K=V=16, 2 layers) or kimi-linear "
+                        "(H=HV=32 K=V=128, 20 layers)")
     p.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
     p.add_argument("--steps", type=int, default=8, help="decode steps")
     p.add_argument("--batch", type=int, default=4, help="rows per step (padding rows included)")
-    p.add_argument("--slots", type=int, default=None, help="pool slots (default 2*batch)")
-    p.add_argument("--ring-length", type=int, default=4)
-    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--slots", type=int, default=None, help="pool slots (None: 2 * batch)")
+    p.add_argument("--ring-length", type=int, default=4, help="ring length L of the pools")
+    p.add_argument("--state-dtype", choices=("float32", "bfloat16"), default="float32", help="checkpoint dtype")
+    p.add_argument("--cache-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                   help="ring dtype (float16 needs --ring-layout sglang)")
     p.add_argument("--lower-bound", type=float, default=None,
-                   help="decode with this bounded gate (lower_bound); default: the softplus gate")
-    p.add_argument("--ring-layout", choices=["spec", "predecayed"], default="spec",
-                   help="the pools' ring layout (ReplaySSMStatePool(ring_layout=...)): SPEC section 3's, or keys "
-                        "pre-decayed by cumulative gates (faster; any gate)")
+                   help="decode with this bounded gate (lower_bound); None: the softplus gate")
+    p.add_argument("--ring-layout", choices=RING_LAYOUTS, default="predecayed",
+                   help="the pools' ring layout (ReplaySSMStatePool(ring_layout=...)): keys pre-decayed by "
+                        "cumulative gates (the fastest), or the per-step keys and gates SGLang's kernels use")
     p.add_argument("--fused-advance", action="store_true",
                    help="the last layer's decode moves the cursors (pool.decode(..., advance=True)) instead of a "
                         "pool.advance call per step")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="activation dtype (default float32 on cpu, bfloat16 on cuda)")
+                   help="activation dtype (None: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--min-len", type=int, default=2, help="shortest request (tokens to decode)")
     p.add_argument("--max-len", type=int, default=6, help="longest request")
     p.add_argument("--arrival", type=float, default=0.7, help="chance an empty row admits a request per step")
     p.add_argument("--check-every", type=int, default=1, help="verify sampled rows every N steps (0: never)")
     p.add_argument("--check-rows", type=int, default=2, help="rows sampled per checked step")
-    p.add_argument("--log-every", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=2, help="rank 0 logs progress every N steps")
+    p.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO",
+                   help="log level (DEBUG also logs the traceback of an error)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the scheduling, activations and weights")
     p.add_argument("--timeout", type=float, default=300.0, help="main process group timeout, seconds")
-    p.add_argument("--inject-fault", choices=FAULTS, default=None, help="demonstrate a placement error")
+    p.add_argument("--inject-fault", choices=FAULTS, default=None,
+                   help="demonstrate a placement error: the last rank is misplaced or disagrees")
     p.add_argument("--corrupt-output", action="store_true",
                    help="self-test of the verification: the last rank perturbs one decode output (exits non-zero)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.inject_fault == "same-device" and args.device != "cuda":
         p.error("--inject-fault same-device needs --device cuda (several CPU ranks per host are fine)")
@@ -83,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_len < args.min_len:
         p.error("--max-len must be >= --min-len")
+    if args.cache_dtype == "float16" and args.ring_layout == "predecayed":
+        p.error("--cache-dtype float16 needs --ring-layout sglang (the pre-decayed keys overflow fp16)")
     return args
 
 
@@ -94,28 +123,27 @@ class Request:
     cursor: int = 0  # host mirror of the pool's ring cursor (for the traffic estimate)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; return its exit status (0: the run verified; 1: it failed, see the RESULT line)."""
     args = parse_args(argv)
-    if args.device == "cpu" or not _cuda_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before helion/triton are imported
     rank_tag = os.environ.get("RANK", "?")
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank_tag}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("helion").setLevel(logging.WARNING)  # its INFO lines name generated-code files
-    # imported only now: TRITON_INTERPRET must be set first
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    record(_run)(args)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    try:
+        _run(args)
+    except Exception as exc:  # noqa: BLE001 - every rank reports its error in one line and exits non-zero
+        text = str(exc).strip() or "(no message)"
+        log.debug("traceback of the failure", exc_info=True)
+        if "\n" in text:  # the whole text once (a PlacementError names the ranks, tensors and devices below)
+            log.error("%s: %s", type(exc).__name__, text)
+        print(f"RESULT: FAIL {type(exc).__name__}: {text.splitlines()[0]}", flush=True)
+        return 1
+    return 0
 
 
 def _run(args: argparse.Namespace) -> None:
-    from tp_replayssm.distributed import distributed_session
+    from tp_replayssm.tp.distributed import distributed_session
 
     with distributed_session(args.device, timeout_s=args.timeout) as env:
         Engine(args, env).run()
@@ -124,12 +152,11 @@ def _run(args: argparse.Namespace) -> None:
 class Engine:
     """One rank's engine: pool, TP layer stack, scheduler, verification and metrics."""
 
-    def __init__(self, args: argparse.Namespace, env) -> None:  # noqa: ANN001 - DistEnv
+    def __init__(self, args: argparse.Namespace, env: DistEnv) -> None:
         import torch
         import torch.distributed as dist
 
-        from tp_replayssm import KDAHeads, ReplaySSMStatePool
-        from tp_replayssm.heads import shard_heads
+        from tp_replayssm import KDAHeads, ReplaySSMStatePool, shard_heads
 
         self.torch, self.dist, self.args, self.env = torch, dist, args, env
         shape = dict(SHAPES[args.shape])
@@ -180,14 +207,14 @@ class Engine:
 
     # ---- setup ------------------------------------------------------------------------------
 
-    def _wrong_device(self):  # noqa: ANN202
+    def _wrong_device(self) -> torch.device:
         torch = self.torch
         if self.device.type == "cuda":
             n = torch.cuda.device_count()
             return torch.device("cuda", (self.device.index + 1) % n) if n > 1 else torch.device("cpu")
         return torch.device("meta")
 
-    def _block(self, layer: int, kind: int, head: int, shape: tuple[int, ...], scale: float):  # noqa: ANN202
+    def _block(self, layer: int, kind: int, head: int, shape: tuple[int, ...], scale: float) -> torch.Tensor:
         """A weight block of one head, identical on every rank that holds that head."""
         g = self.torch.Generator().manual_seed(((self.args.seed * 1009 + layer) * 17 + kind) * 100003 + head)
         return (self.torch.randn(*shape, generator=g) * scale)
@@ -322,7 +349,8 @@ class Engine:
             total += per_layer * self.num_layers
         return total
 
-    def _verify(self, sample: list[int], before: list, seen: list) -> None:  # noqa: ANN001
+    def _verify(self, sample: list[int], before: list[torch.Tensor],
+                seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
         """Outputs and new states of the sampled rows vs the float64 PlainKDA oracle, per layer."""
         torch = self.torch
         from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, rel_err
@@ -357,7 +385,7 @@ class Engine:
 
     def run(self) -> None:
         args, dist = self.args, self.dist
-        from tp_replayssm.placement import placement_check_stats
+        from tp_replayssm.tp.placement import placement_check_stats
 
         log.info("pool: %s; local heads H=%d HV=%d; %s", self.pool, self.shard.num_q_heads_local,
                  self.shard.num_v_heads_local, self.pool.memory.describe())
@@ -383,7 +411,7 @@ class Engine:
         verify_us = (time.perf_counter() - t0) / reps * 1e6
         self._summary(wall, verify_us, placement_check_stats())
 
-    def _summary(self, wall: float, verify_us: float, checks: dict) -> None:  # noqa: ANN001
+    def _summary(self, wall: float, verify_us: float, checks: dict[str, float]) -> None:
         torch, dist = self.torch, self.dist
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -392,7 +420,7 @@ class Engine:
         mine = dict(rank=self.rank, device=str(self.device), pool_bytes=self.pool.memory.total, peak=peak,
                     mismatches=self.stats["mismatches"], checked=self.stats["checked_rows"],
                     max_err=self.stats["max_err"], checks=checks, verify_us=verify_us)
-        every: list = [None] * self.world
+        every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine)
         bad = sum(r["mismatches"] for r in every)
         if self.rank == 0:
@@ -429,10 +457,13 @@ class Engine:
                     f"  pool.decode host time on rank 0: first call of a layer (collective check) "
                     f"{1e3 * sum(first) / len(first):.3f} ms vs later calls (no check) "
                     f"{1e3 * sum(later) / len(later):.3f} ms")
-                if self.device.type != "cuda":  # the interpreter's kernel run hides the check's cost there
-                    lines.append("    (on CPU both include the kernel's run in the Triton interpreter, "
+                if self.device.type != "cuda":  # the decode's own run hides the check's cost there
+                    lines.append("    (on CPU both include the decode's run on the PyTorch path, "
                                  "so the checks' own cost is the 'placement checks' total above)")
-            lines.append("  RESULT: " + ("OK" if bad == 0 else f"{bad} sampled rows MISMATCHED"))
+            if bad:  # every rank raises below and prints its RESULT: FAIL line
+                lines.append(f"  verification: {bad} sampled rows MISMATCHED")
+            else:
+                lines.append("  RESULT: OK")
             lines.append("=" * 72)
             print("\n".join(lines), flush=True)
         if bad:
@@ -442,4 +473,4 @@ class Engine:
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package
         sys.path.insert(1, os.path.dirname(sys.path[0]))
-    main()
+    sys.exit(main())

@@ -2,17 +2,17 @@
 the ranks run.
 
 :func:`run_ranks` starts ``world_size`` processes with ``torch.multiprocessing``, each of which
-initializes gloo (NCCL with ``device="cuda"``) through :func:`tp_replayssm.distributed.init_distributed`
+initializes gloo (NCCL with ``device="cuda"``) through :func:`tp_replayssm.tp.distributed.init_distributed`
 (torchrun-style env vars, a ``file://`` store in the test's tmp dir, 30 s group timeout), runs
 ``fn(rank, world_size, *args)`` and
 pickles its return value or its exception. The parent waits with a hard deadline, kills every
 process still alive when it passes (so no test hangs and nothing is left behind) and returns the
 per-rank results; a rank that exits non-zero (e.g. an abort in teardown) fails the test too.
-``TRITON_INTERPRET=1`` is set (without CUDA) when this module is imported, before helion is.
+On CPU the ranks' pools run the library's PyTorch path (its default for CPU tensors): no environment variable.
 
-Start method (CPU): ``forkserver`` with ``torch``, this module and the Helion kernel preloaded. The
-server process starts once per pytest session from a clean interpreter (no threads, no CUDA), imports the
-heavy modules once (helion alone takes ~10 s on this 2-core machine), and forks each rank from that
+Start method (CPU): ``forkserver`` with ``torch``, this module and the pool (which imports helion) preloaded.
+The server process starts once per pytest session from a clean interpreter (no threads, no CUDA), imports the
+heavy modules once (helion alone takes several seconds on this 2-core machine), and forks each rank from that
 clean state; a plain ``spawn`` paid those imports in every rank of every test. It exits with pytest.
 
 Worker functions live here (importable by the children as module ``_dist_helpers``).
@@ -34,18 +34,15 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 START_METHOD = "forkserver"
-PRELOAD = ["_dist_helpers", "tp_replayssm.distributed", "tp_replayssm.pool", "tp_replayssm.kernel"]
+PRELOAD = ["_dist_helpers", "tp_replayssm.tp.distributed", "tp_replayssm.pool.pool", "tp_replayssm.kernels.decode"]
 PG_TIMEOUT_S = 30.0
 CHECK_TIMEOUT_S = "20"
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # the children (and the forkserver) import tp_replayssm from here
     sys.path.insert(0, str(REPO_ROOT))
-if not torch.cuda.is_available():  # before anything imports helion/triton (here or in the forkserver)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# small shapes: the Helion kernel runs in the Triton interpreter on CPU
-K = V = 16
+K = V = 16  # small head dims
 
 
 class RankFailed(AssertionError):
@@ -59,7 +56,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store: str, out_d
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world),
         TP_REPLAYSSM_PLACEMENT_TIMEOUT_S=CHECK_TIMEOUT_S,
     )
-    from tp_replayssm import distributed
+    from tp_replayssm.tp import distributed
 
     result: dict[str, Any]
     ok = False
@@ -149,15 +146,16 @@ FINGERPRINT_FAULTS = {  # fault -> (field, value on the bad rank)
     "state-dtype": ("state_dtype", "torch.bfloat16"),
     "cache-dtype": ("cache_dtype", "torch.float32"),
     "heads": ("num_v_heads", 8),
-    "ring-layout": ("ring_layout", "predecayed"),  # one rank's pool stores pre-decayed keys
+    "ring-layout": ("ring_layout", "sglang"),  # one rank's pool stores SGLang's layout, the others pre-decayed keys
 }
 
 
 def _fingerprint(world: int, rank: int, **over: Any) -> Any:
-    from tp_replayssm.placement import PoolFingerprint
+    from tp_replayssm.tp.placement import PoolFingerprint
 
     base = dict(num_q_heads=2, num_v_heads=4, key_dim=K, value_dim=V, tp_size=world, tp_rank=rank,
-                num_layers=2, num_slots=4, ring_length=3, state_dtype="torch.float32", cache_dtype="torch.bfloat16")
+                num_layers=2, num_slots=4, ring_length=3, state_dtype="torch.float32", cache_dtype="torch.bfloat16",
+                ring_layout="predecayed")
     base.update(over)
     return PoolFingerprint(**base)
 
@@ -215,18 +213,18 @@ def placement_matrix(rank: int, world: int, bad: int, faults: list[str], group_r
     """
     import torch.distributed as dist
 
-    from tp_replayssm import placement
+    from tp_replayssm.tp import devices, placement
 
     group = dist.group.WORLD
     if group_ranks is not None:
         group = dist.new_group(group_ranks, use_local_synchronization=True)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
     out: dict[str, tuple[str | None, float]] = {}
-    real_hook = placement.current_cuda_device
+    real_hook = devices.current_cuda_device
     for fault in faults:
         kwargs, current = _check_case(fault, rank, world, bad)
         if current is not None:
-            placement.current_cuda_device = lambda c=current: c
+            devices.current_cuda_device = lambda c=current: c
         t0 = time.perf_counter()
         try:
             if current is not None:  # the check must work inside FakeTensorMode too (real CPU exchange)
@@ -240,7 +238,7 @@ def placement_matrix(rank: int, world: int, bad: int, faults: list[str], group_r
         except placement.PlacementError as exc:
             msg = str(exc)
         finally:
-            placement.current_cuda_device = real_hook
+            devices.current_cuda_device = real_hook
         out[fault] = (msg, time.perf_counter() - t0)
     return out
 
@@ -270,8 +268,9 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
     """
     import torch.distributed as dist
 
-    from tp_replayssm import KDAHeads, PlacementError, ReplaySSMStatePool, placement
+    from tp_replayssm import KDAHeads, PlacementError, ReplaySSMStatePool
     from tp_replayssm.testing import random_decode_inputs, random_head_params
+    from tp_replayssm.tp import devices
 
     group = dist.group.WORLD
     heads = KDAHeads(2, 4, K, V)
@@ -288,9 +287,9 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
     construct = {"pool-device": {"device": "meta"}, "ring-length": {"ring_length": 4}, "num-slots": {"num_slots": 5},
                  "num-layers": {"num_layers": 3}, "state-dtype": {"state_dtype": torch.bfloat16},
                  "cache-dtype": {"cache_dtype": torch.float32}, "tp-rank": {"tp_rank": (rank + 1) % world},
-                 "ring-layout": {"ring_layout": "predecayed"}}
+                 "ring-layout": {"ring_layout": "sglang"}}
     out: dict[str, tuple[str | None, float, bool]] = {}
-    real_hook = placement.current_cuda_device
+    real_hook = devices.current_cuda_device
     for fault in faults:
         before = _snapshot(pool)
         is_bad = rank == bad
@@ -308,7 +307,7 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
                 if is_bad and fault == "local-check-throws":
                     def boom() -> torch.device:
                         raise RuntimeError("cudaGetDevice failed (injected)")
-                    placement.current_cuda_device = boom
+                    devices.current_cuda_device = boom
                 pool.verify_placement()
             msg = None
         except PlacementError as exc:
@@ -316,26 +315,31 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
         finally:
             dt = time.perf_counter() - t0
             pool.d_cache = saved
-            placement.current_cuda_device = real_hook
+            devices.current_cuda_device = real_hook
         out[fault] = (msg, dt, _same(before, _snapshot(pool)))
     return out
 
 
-def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, cache: str,
-                   dim: int = K) -> dict[str, Any]:
-    """Decode ``steps`` steps of 2 layers on a TP pool; gather every rank's ``out`` and compare it with
-    the single-rank PyTorch reference on the global heads (same ring semantics and rounding) and with
-    the float64 plain recurrence. Rows: [request, padding, request]; one forced flush at step 1.
-    ``K = V = dim``. The pool lives on the rank's device (its CUDA device under NCCL); inputs are drawn
-    on the CPU (the same draws on every rank) and moved there; the references run on the CPU.
+def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, cache: str, dim: int = K,
+                   layouts: tuple[str, ...] = ("sglang", "predecayed")) -> dict[str, dict[str, Any]]:
+    """:func:`tp_equivalence_one` for each ring layout of the pool (the same draws): layout -> its results."""
+    return {layout: tp_equivalence_one(rank, world, H, HV, L, steps, cache, dim, layout) for layout in layouts}
+
+
+def tp_equivalence_one(rank: int, world: int, H: int, HV: int, L: int, steps: int, cache: str, dim: int,
+                       ring_layout: str) -> dict[str, Any]:
+    """Decode ``steps`` steps of 2 layers on a TP pool of ``ring_layout``; gather every rank's ``out`` and compare
+    it with the single-rank PyTorch reference on the global heads (the sglang layout: same ring semantics, and in
+    that layout the same rounding) and with the float64 plain recurrence. Rows: [request, padding, request]; one
+    forced flush at step 1. ``K = V = dim``. The pool lives on the rank's device (its CUDA device under NCCL);
+    inputs are drawn on the CPU (the same draws on every rank) and moved there; the references run on the CPU.
 
     Returns max relative errors, whether the padding row was exactly zero, and whether the pool's
     cursors matched the expected ones (every rank computes the same global reference).
     """
     import torch.distributed as dist
 
-    from tp_replayssm import KDAHeads, ReplaySSMStatePool, reference
-    from tp_replayssm.heads import concat_outputs
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool, concat_outputs, reference
     from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
 
     NL, S, B = 2, 4, 3
@@ -343,7 +347,7 @@ def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, c
     cache_dtype = getattr(torch, cache)
     heads = KDAHeads(H, HV, K, V)
     pool = ReplaySSMStatePool(heads, num_layers=NL, num_slots=S, ring_length=L, cache_dtype=cache_dtype,
-                              group=dist.group.WORLD)
+                              group=dist.group.WORLD, ring_layout=ring_layout)
     shard = pool.shard
     dev = pool.device
     gen = torch.Generator().manual_seed(1234)  # the same draws on every rank
@@ -397,7 +401,7 @@ def tp_equivalence(rank: int, world: int, H: int, HV: int, L: int, steps: int, c
         dist.all_gather(parts, st.contiguous())
         err_oracle = max(err_oracle, rel_err(torch.cat(parts, 1).cpu(), oracle[layer].state[ids.long().cpu()]))
     return dict(err_ref=err_ref, err_oracle=err_oracle, padding_zero=padding_zero, cursors_ok=cursors_ok,
-                q_heads=list(shard.q_heads), v_heads=list(shard.v_heads))
+                q_heads=list(shard.q_heads), v_heads=list(shard.v_heads), k_cache=list(pool.k_cache.shape))
 
 
 def dist_env(rank: int, world: int) -> dict[str, Any]:
@@ -405,7 +409,7 @@ def dist_env(rank: int, world: int) -> dict[str, Any]:
     tears the group down."""
     import torch.distributed as dist
 
-    from tp_replayssm import distributed
+    from tp_replayssm.tp import distributed
 
     env = distributed.init_distributed("cpu")
     again = distributed.init_distributed("cpu")

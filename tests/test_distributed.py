@@ -6,35 +6,44 @@ import pytest
 import torch
 
 import _dist_helpers as h
-from tp_replayssm import distributed
+from tp_replayssm.tp import distributed
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     ("world", "H", "HV", "L", "cache", "tol_ref", "tol_oracle"),
     [
-        # H = HV, q/k heads split; bf16 rings. The Triton interpreter casts fp32 -> bf16 by truncation
-        # (the GPU and the reference round to nearest even), so the stored ring entries differ by up
-        # to one bf16 ulp: the tolerance against the reference is that of the rounding, not 1e-6.
+        # H = HV, q/k heads split; bf16 rings. The stored ring entries are rounded to bf16 (in the pre-decayed
+        # layout other values than the reference's sglang-layout entries; on the GPU the kernel's fp32 sums run in
+        # another order), so the tolerance against the reference is that of the rounding, not 1e-6.
         (2, 4, 4, 2, "bfloat16", 1e-2, 2e-2),
         (4, 2, 8, 3, "float32", 1e-5, 1e-4),  # H < tp: each q/k head replicated on 2 ranks; fp32 rings
     ],
     ids=["tp2-H4-HV4", "tp4-H2-HV8"],
 )
 def test_tp_equivalence(tmp_path, world, H, HV, L, cache, tol_ref, tol_oracle) -> None:  # noqa: ANN001
-    results = h.run_ranks(h.tp_equivalence, world, tmp_path, H, HV, L, 3, cache, timeout_s=220)
-    r0 = results[0]
-    for r in results:  # every rank gathered the same outputs and ran the same reference
-        assert r["err_ref"] == r0["err_ref"] and r["err_oracle"] == r0["err_oracle"]
-        assert r["padding_zero"] and r["cursors_ok"]
-    assert r0["err_ref"] < tol_ref, r0
-    assert r0["err_oracle"] < tol_oracle, r0
-    # the sharding rule as the pool applied it
-    assert [r["v_heads"] for r in results] == [list(range(t * HV // world, (t + 1) * HV // world)) for t in range(world)]
-    if H % world == 0:
-        assert [r["q_heads"] for r in results] == [list(range(t * H // world, (t + 1) * H // world)) for t in range(world)]
-    else:
-        assert [r["q_heads"] for r in results] == [[t * H // world] for t in range(world)]
+    """Each rank's pool in both ring layouts (one spawn): the gathered outputs equal the single-rank reference and
+    the float64 recurrence."""
+    by_layout = h.run_ranks(h.tp_equivalence, world, tmp_path, H, HV, L, 3, cache, timeout_s=220)
+    assert all(sorted(r) == ["predecayed", "sglang"] for r in by_layout)
+    for layout in ("sglang", "predecayed"):
+        results = [r[layout] for r in by_layout]
+        r0 = results[0]
+        for r in results:  # every rank gathered the same outputs and ran the same reference
+            assert r["err_ref"] == r0["err_ref"] and r["err_oracle"] == r0["err_oracle"]
+            assert r["padding_zero"] and r["cursors_ok"]
+        assert r0["err_ref"] < tol_ref, (layout, r0)
+        assert r0["err_oracle"] < tol_oracle, (layout, r0)
+        # the k ring holds one key per local q/k head (sglang) or per local value head (pre-decayed)
+        assert r0["k_cache"][2] == (len(r0["q_heads"]) if layout == "sglang" else len(r0["v_heads"])), (layout, r0)
+        # the sharding rule as the pool applied it
+        assert [r["v_heads"] for r in results] == [list(range(t * HV // world, (t + 1) * HV // world))
+                                                   for t in range(world)]
+        if H % world == 0:
+            assert [r["q_heads"] for r in results] == [list(range(t * H // world, (t + 1) * H // world))
+                                                       for t in range(world)]
+        else:
+            assert [r["q_heads"] for r in results] == [[t * H // world] for t in range(world)]
 
 
 @pytest.mark.timeout(120)
@@ -78,12 +87,12 @@ def test_local_rank_beyond_visible_devices(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(distributed.DistributedInitError, match="LOCAL_RANK=2 but only 2 CUDA device"):
-        distributed.resolve_device("cuda", 2)
-    assert distributed.resolve_device("cuda", 1) == torch.device("cuda", 1)
-    assert distributed.resolve_device("cpu", 7) == torch.device("cpu")
+        distributed.rank_device("cuda", 2)
+    assert distributed.rank_device("cuda", 1) == torch.device("cuda", 1)
+    assert distributed.rank_device("cpu", 7) == torch.device("cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_requested_without_cuda() -> None:
     with pytest.raises(distributed.DistributedInitError, match="cuda"):
-        distributed.resolve_device("cuda", 0)
+        distributed.rank_device("cuda", 0)

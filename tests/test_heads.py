@@ -1,6 +1,6 @@
-"""KDAHeads, the TP sharding rule (SPEC section 2) and the slicing helpers.
+"""KDAHeads, the TP sharding rule (docs/contract.md, sharding) and the slicing helpers.
 
-The expected sharding is derived per head from the SPEC's rule (value head ``hv`` lives on rank
+The expected sharding is derived per head from the contract's rule (value head ``hv`` lives on rank
 ``hv // (HV/tp)``, value head ``hv`` reads q/k head ``hv // r``), never from the library's offsets.
 """
 
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tp_replayssm import KDAHeads, reference
-from tp_replayssm.heads import HeadShard, all_shards, concat_outputs, shard_heads
+from tp_replayssm.tp.heads import HeadShard, all_shards, concat_outputs, shard_heads
 
 K = V = 4
 
@@ -189,10 +189,13 @@ def test_concat_outputs_inverts_the_split():
         concat_outputs([torch.zeros(5, 1, 2, V), torch.zeros(4, 1, 2, V)])
 
 
+@pytest.mark.parametrize("ring_layout", ["sglang", "predecayed"])
 @pytest.mark.parametrize("H, HV, tp", [(4, 4, 2), (2, 8, 4)])
-def test_sharded_reference_op_equals_single_rank(H, HV, tp):
+def test_sharded_reference_op_equals_single_rank(H, HV, tp, ring_layout):
     """With the PyTorch reference op: slicing global inputs + state per rank and concatenating the
-    outputs gives the single-rank result, and each rank's state is the slice of the global one."""
+    outputs gives the single-rank result, and each rank's state is the slice of the global one. In both ring
+    layouts: the k ring is sliced by q/k head (sglang) or by value head (pre-decayed)."""
+    predecayed = ring_layout == "predecayed"
     heads = KDAHeads(H, HV, K, V)
     B, S, L = 4, 5, 3
     g = torch.Generator().manual_seed(7)
@@ -203,8 +206,10 @@ def test_sharded_reference_op_equals_single_rank(H, HV, tp):
     wpos = torch.tensor([1, 0, 2, 0], dtype=torch.int32)
     S0 = torch.randn(S, HV, V, K, generator=g)
     d = torch.randn(S, HV, L, V, generator=g)
-    kr = torch.randn(S, H, L, K, generator=g)
+    kr = torch.randn(S, HV if predecayed else H, L, K, generator=g)
     gr = -torch.rand(S, HV, L, K, generator=g)
+    if predecayed:  # cumulative gates, keys pre-decayed by them
+        kr, gr = reference.predecay_rings(kr, gr)
 
     def run(hs: HeadShard | None):
         if hs is None:
@@ -215,9 +220,10 @@ def test_sharded_reference_op_equals_single_rank(H, HV, tp):
                     hs.slice_dt_bias(dt))
             st0 = hs.slice_state(S0).clone()
             dd, gg = d[:, list(hs.v_heads)].clone(), gr[:, list(hs.v_heads)].clone()
-            kk = kr[:, list(hs.q_heads)].clone()
+            kk = kr[:, list(hs.v_heads if predecayed else hs.q_heads)].clone()
         out = torch.empty(B, 1, st0.shape[1], V)
-        reference.replayssm_decode(*args, None, st0, dd, kk, gg, out, slots, wpos, None, True, None)
+        reference.replayssm_decode(*args, None, st0, dd, kk, gg, out, slots, wpos, None, True, None,
+                                   ring_layout=ring_layout)
         return out, st0
 
     full_out, full_state = run(None)

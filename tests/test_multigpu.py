@@ -12,7 +12,7 @@ import re
 import pytest
 
 import _dist_helpers as h
-from test_launcher import _torchrun, placement_error_lines
+from test_launcher import _torchrun, placement_error_lines, result_lines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -44,10 +44,11 @@ def test_launcher_two_gpus_nccl() -> None:
         ("ring-length", "1", "ring_length=5 (rank 0: 4)"),
     ],
 )
-def test_launcher_placement_faults_two_gpus(fault: str, offenders: str, expect: str) -> None:
+def test_launcher_placement_faults_two_gpus(tmp_path, fault: str, offenders: str, expect: str) -> None:  # noqa: ANN001
     """A real misplacement across two GPUs: every rank raises the same PlacementError, naming the
-    offending rank(s), the tensor, the expected and the actual device; nothing hangs."""
-    run = _torchrun("--device", "cuda", "--inject-fault", fault, timeout=180.0)
+    offending rank(s), the tensor, the expected and the actual device, and prints it as its one RESULT: FAIL line;
+    nothing hangs."""
+    run = _torchrun("--device", "cuda", "--inject-fault", fault, timeout=180.0, log_dir=tmp_path / "logs")
     out = run.stdout + run.stderr
     assert run.returncode != 0, out[-4000:]
     lines = placement_error_lines(out)
@@ -55,7 +56,8 @@ def test_launcher_placement_faults_two_gpus(fault: str, offenders: str, expect: 
     assert lines[0] == lines[1], out[-6000:]  # the same text on every rank
     assert lines[0].endswith(f"offending rank(s): {offenders}"), lines[0]
     assert expect in out, out[-4000:]
-    assert "RESULT" not in out
+    assert "RESULT: OK" not in out
+    assert all(len(found) == 1 for found in result_lines(out)), out[-4000:]
 
 
 @pytest.mark.timeout(240)
@@ -68,12 +70,14 @@ def test_launcher_placement_faults_two_gpus(fault: str, offenders: str, expect: 
     ids=["tp2-H4-HV4-K128", "tp2-H1-HV2-K16"],
 )
 def test_tp_equivalence_nccl(tmp_path, H, HV, L, cache, dim, tol_ref, tol_oracle) -> None:  # noqa: ANN001
-    """Pools on cuda:0 and cuda:1, outputs all-gathered over NCCL, equal the single-rank reference on
-    the global heads and the float64 recurrence."""
-    results = h.run_ranks(h.tp_equivalence, 2, tmp_path, H, HV, L, 4, cache, dim, timeout_s=220, device="cuda")
-    r0 = results[0]
-    for r in results:
-        assert r["err_ref"] == r0["err_ref"] and r["err_oracle"] == r0["err_oracle"]
-        assert r["padding_zero"] and r["cursors_ok"]
-    assert r0["err_ref"] < tol_ref and r0["err_oracle"] < tol_oracle, r0
-    assert [r["v_heads"] for r in results] == [list(range(t * HV // 2, (t + 1) * HV // 2)) for t in range(2)]
+    """Pools on cuda:0 and cuda:1 (both ring layouts), outputs all-gathered over NCCL, equal the single-rank
+    reference on the global heads and the float64 recurrence."""
+    by_layout = h.run_ranks(h.tp_equivalence, 2, tmp_path, H, HV, L, 4, cache, dim, timeout_s=220, device="cuda")
+    for layout in ("sglang", "predecayed"):
+        results = [r[layout] for r in by_layout]
+        r0 = results[0]
+        for r in results:
+            assert r["err_ref"] == r0["err_ref"] and r["err_oracle"] == r0["err_oracle"]
+            assert r["padding_zero"] and r["cursors_ok"]
+        assert r0["err_ref"] < tol_ref and r0["err_oracle"] < tol_oracle, (layout, r0)
+        assert [r["v_heads"] for r in results] == [list(range(t * HV // 2, (t + 1) * HV // 2)) for t in range(2)]

@@ -1,4 +1,4 @@
-"""Placement checks (SPEC section 4): verdict formatting, local rules, and the collective fault matrix.
+"""Placement checks (docs/contract.md, placement): verdict formatting, local rules, and the collective fault matrix.
 
 The fault matrix runs on spawned CPU/gloo ranks (see ``_dist_helpers``): one rank is misplaced or
 disagrees, and every rank must raise the *identical* ``PlacementError`` naming that rank (and only
@@ -15,7 +15,8 @@ import torch
 
 import _dist_helpers as h
 from tp_replayssm import PlacementError
-from tp_replayssm import placement as P
+from tp_replayssm.tp import devices
+from tp_replayssm.tp import placement as P
 
 FAST_S = 10.0  # "within seconds": generous for a loaded 2-core CI machine
 
@@ -116,7 +117,7 @@ def test_current_device_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "not this rank's current device cpu" in P.local_problems(expected_device=torch.device("meta"), **kw)[0]
     if not torch.cuda.is_available():
         assert "no CUDA device" in P.local_problems(expected_device=torch.device("cuda", 0), **kw)[0]
-    monkeypatch.setattr(P, "current_cuda_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(devices, "current_cuda_device", lambda: torch.device("cuda", 1))
     assert P.local_problems(expected_device=torch.device("cuda", 1), **kw) == []
     assert "cuda:0 is not this rank's current device cuda:1" in P.local_problems(
         expected_device=torch.device("cuda", 0), **kw)[0]
@@ -139,7 +140,7 @@ EXPECT = {
     "state-dtype": ["state_dtype='torch.bfloat16' (rank 0: 'torch.float32')"],
     "cache-dtype": ["cache_dtype='torch.float32' (rank 0: 'torch.bfloat16')"],
     "heads": ["num_v_heads=8 (rank 0: 4)"],
-    "ring-layout": ["ring_layout='predecayed' (rank 0: 'spec')"],
+    "ring-layout": ["ring_layout='sglang' (rank 0: 'predecayed')"],
     "tp-rank": ["shard index tp_rank="],
     "tp-size": ["tp_size="],
     "local-check-throws": ["local placement check raised RuntimeError: device query failed (injected)"],
@@ -216,7 +217,7 @@ POOL_EXPECT = {
     "num-layers": ["num_layers=3 (rank 0: 2)"],
     "state-dtype": ["state_dtype='torch.bfloat16' (rank 0: 'torch.float32')"],
     "cache-dtype": ["cache_dtype='torch.float32' (rank 0: 'torch.bfloat16')"],
-    "ring-layout": ["ring_layout='predecayed' (rank 0: 'spec')"],
+    "ring-layout": ["ring_layout='sglang' (rank 0: 'predecayed')"],
     "tp-rank": ["shard index tp_rank=0 != rank in group 1"],
     "cache-device": ["`d_cache` on meta, expected cpu", "verify_placement"],
     "activation-device": ["`mixed_qkv` on meta, expected cpu", "decode(layer=0)"],

@@ -1,26 +1,34 @@
-"""ReplaySSMStatePool (SPEC section 3) against the float64 plain recurrence, on the real Helion op.
+"""ReplaySSMStatePool (docs/contract.md, the pool) against the float64 plain recurrence.
 
-On CPU the kernel runs in the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``): it
-costs ~0.1 s per (live row, value head) and a compile per distinct shape, so the kernel-running tests
-share one geometry (``SMALL``: H=1, HV=2, K=V=16, S=4, L=3, B=4) wherever they can. Tests that only
-exercise the pool's own device ops (alloc, free, advance, load/read_state, accounting, errors) do not
-run the kernel. With CUDA present the same tests run on ``cuda:0`` with the compiled kernel.
+On CPU the pool's decode runs the library's PyTorch path (its default for CPU tensors), so these tests are fast
+and need no environment variable. The Helion kernel behind the pool runs in Triton's interpreter in one test per
+ring layout (``test_pool_kernel_in_interpreter_matches_plain_kda``, the ``interpreter`` fixture), whose cost,
+~0.1 s per (live row, value head) and a compile per shape, keeps it to the small geometry ``SMALL`` (H=1, HV=2,
+K=V=16, S=4, L=3, B=4). With CUDA present the same tests run on ``cuda:0`` with the compiled kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tp_replayssm import KDAHeads, PoolExhaustedError, ReplaySSMStatePool, ops, placement
-from tp_replayssm.heads import all_shards, concat_outputs
-from tp_replayssm.memory import pool_memory, slots_that_fit
-from tp_replayssm.pool import DEBUG_ENV
+from tp_replayssm import KDAHeads, PlacementError, PoolExhaustedError, ReplaySSMStatePool, SlotError
+from tp_replayssm import reference
+from tp_replayssm.pool import pool as pool_module
+from tp_replayssm.pool.memory import pool_memory, slots_that_fit
+from tp_replayssm.pool.pool import DEBUG_ENV
 from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
+from tp_replayssm.tp import placement
+from tp_replayssm.tp.heads import all_shards, concat_outputs
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 KD = VD = 16
@@ -48,7 +56,7 @@ def params_for(num_v_heads: int, gen: torch.Generator | None = None):
 
 
 def small_inputs(gen: torch.Generator | None = None, device: torch.device | str = DEV):
-    """fp32 activations for ``SMALL`` (every kernel test uses fp32: one compiled kernel per dtype)."""
+    """fp32 activations for ``SMALL`` (the kernel tests use fp32: one compiled kernel per dtype)."""
     return random_decode_inputs(B, 1, 2, KD, VD, dtype=torch.float32, device=device, generator=gen)
 
 
@@ -72,9 +80,9 @@ def assert_bit_identical(before: dict[str, torch.Tensor], after: dict[str, torch
 
 # (layout, lower_bound, A_log_shift, fused advance) of the step scenarios, CPU and CUDA-graph alike
 STEP_CASES = pytest.mark.parametrize("layout, lower_bound, A_log_shift, fused", [
-    ("spec", None, 0.0, False), ("predecayed", -5.0, 0.0, False), ("predecayed", None, 4.5, False),
-    ("spec", None, 0.0, True), ("predecayed", None, 4.5, True)],
-    ids=["spec-layout", "predecayed-layout", "predecayed-rebasing", "spec-layout-fused-advance",
+    ("sglang", None, 0.0, False), ("predecayed", -5.0, 0.0, False), ("predecayed", None, 4.5, False),
+    ("sglang", None, 0.0, True), ("predecayed", None, 4.5, True)],
+    ids=["sglang-layout", "predecayed-layout", "predecayed-rebasing", "sglang-layout-fused-advance",
          "predecayed-rebasing-fused-advance"])
 
 
@@ -178,9 +186,49 @@ def test_pool_matches_plain_kda_over_ring_cycles_with_churn(layout, lower_bound,
     assert (rebases > 0) == (A_log_shift > 0), rebases  # never under lower_bound -5 at L = 4
 
 
-def test_ring_length_one_flushes_every_step():
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the tests above run the compiled kernel")
+@pytest.mark.parametrize("layout, fused", [("sglang", False), ("predecayed", True)],
+                         ids=["sglang-advance", "predecayed-fused-advance"])
+def test_pool_kernel_in_interpreter_matches_plain_kda(interpreter, monkeypatch, layout, fused):  # noqa: ARG001
+    """The pool's steps through the Helion kernel (Triton's interpreter on CPU), one case per ring layout: three
+    live rows and a padding row, a forced flush, a full ring cycle and its wrap; outputs, cursors and ``read_state``
+    against the float64 oracle after every step. The cursors move by ``pool.advance`` (sglang) or inside the decode
+    (``advance=True``, pre-decayed)."""
+
+    def torch_path(*args, **kwargs):
+        raise AssertionError("the interpreter backend must launch the kernel, not the PyTorch path")
+
+    monkeypatch.setattr(reference, "decode_rows", torch_path)
+    pool = make_pool(num_layers=1, ring_layout=layout)
+    gen = torch.Generator().manual_seed(21)
+    p = params_for(2, gen)
+    oracle = PlainKDA(S, 1, 2, KD, VD)
+    live = pool.alloc(3).tolist()
+    rows = [live[0], -1, live[1], live[2]]
+    slots = i32(rows)
+    cursor_model = {s: 0 for s in live}
+    for step in range(L + 1):
+        flags = [1 if (step == 1 and r == 2) else 0 for r in range(B)]
+        force = i32(flags)
+        inp = small_inputs(gen)
+        out = pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots, force_flush=force,
+                          advance=fused)
+        want = oracle.step(inp, p, slots)
+        assert rel_err(out[:, 0], want) < TOL_BF16, step
+        assert torch.equal(out[1], torch.zeros_like(out[1]))  # the padding row
+        if not fused:
+            pool.advance(slots, force)
+        for s_, f in zip(rows, flags):
+            if s_ >= 0:
+                cursor_model[s_] = 0 if (f or cursor_model[s_] == L - 1) else cursor_model[s_] + 1
+        assert {s_: int(pool.cursors[s_]) for s_ in live} == cursor_model, step
+        assert rel_err(pool.read_state(0, i32(live)), oracle.state[live]) < TOL_BF16, step
+
+
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
+def test_ring_length_one_flushes_every_step(layout):
     """L = 1: every step folds into the (fp32) checkpoint; tight match with the oracle."""
-    pool = make_pool(num_layers=1, ring_length=1, cache_dtype=torch.float32)
+    pool = make_pool(num_layers=1, ring_length=1, cache_dtype=torch.float32, ring_layout=layout)
     gen = torch.Generator().manual_seed(5)
     p = params_for(2, gen)
     oracle = PlainKDA(S, 1, 2, KD, VD)
@@ -199,11 +247,23 @@ def test_ring_length_one_flushes_every_step():
 
 # ---- tensor parallel: every rank's pool in one process ------------------------------------------
 
-def _run_sharded(heads: KDAHeads, tp: int, ring_length: int, n_steps: int, rows: list[int], flush_at: dict[int, int]):
+def assert_single_rank_result(got: torch.Tensor, want: torch.Tensor, step: int) -> None:
+    """The sharded result is the single-rank one: exactly where the kernel runs (one program per row and value head
+    whatever the shard), to fp32 rounding on the CPU's PyTorch path, whose vectorized elementwise ops round a
+    shard's narrower tensors in other SIMD lanes (as test_heads' sharded reference test allows)."""
+    if got.device.type == "cuda":
+        assert torch.equal(got, want), step
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda m: f"step {step}: {m}")
+
+
+def _run_sharded(heads: KDAHeads, tp: int, ring_length: int, n_steps: int, rows: list[int], flush_at: dict[int, int],
+                 ring_layout: str):
     gen = torch.Generator().manual_seed(heads.num_q_heads * 31 + heads.num_v_heads * 7 + tp)
     p = params_for(heads.num_v_heads, gen)
-    single = make_pool(heads, num_layers=1, ring_length=ring_length)
-    ranks = [make_pool(heads, num_layers=1, ring_length=ring_length, tp_rank=t, tp_size=tp) for t in range(tp)]
+    single = make_pool(heads, num_layers=1, ring_length=ring_length, ring_layout=ring_layout)
+    ranks = [make_pool(heads, num_layers=1, ring_length=ring_length, tp_rank=t, tp_size=tp, ring_layout=ring_layout)
+             for t in range(tp)]
     ids = [single.alloc(3).tolist()] + [r.alloc(3).tolist() for r in ranks]
     assert all(i == ids[0] for i in ids)  # same allocation order on every rank
     slots = i32([ids[0][r] if r >= 0 else -1 for r in rows])
@@ -218,54 +278,62 @@ def _run_sharded(heads: KDAHeads, tp: int, ring_length: int, n_steps: int, rows:
             outs.append(pool.decode(0, sh.slice_mixed_qkv(inp.mixed_qkv), sh.slice_a(inp.a), sh.slice_b(inp.b),
                                     sh.slice_A_log(p.A_log), sh.slice_dt_bias(p.dt_bias), slots, force_flush=force))
             assert outs[-1].shape == (len(rows), 1, heads.num_v_heads // tp, VD)
-        assert torch.equal(concat_outputs(outs), want), step  # exactly the single-rank result
+        assert_single_rank_result(concat_outputs(outs), want, step)
         for pool in [single, *ranks]:
             pool.advance(slots, force)
         assert all(torch.equal(r.cursors, single.cursors) for r in ranks)
         live = slots[slots >= 0]
         full = single.read_state(0, live)
-        assert torch.equal(concat_outputs([r.read_state(0, live) for r in ranks], dim=1), full), step
+        assert_single_rank_result(concat_outputs([r.read_state(0, live) for r in ranks], dim=1), full, step)
         for pool in ranks:  # each rank's state is the slice of the single-rank one
-            assert torch.equal(pool.read_state(0, live), pool.shard.slice_state(full)), step
+            assert_single_rank_result(pool.read_state(0, live), pool.shard.slice_state(full), step)
 
 
-def test_sharded_h_equals_hv_matches_single_rank():
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
+def test_sharded_h_equals_hv_matches_single_rank(layout):
     heads = KDAHeads(2, 2, KD, VD)
-    _run_sharded(heads, tp=2, ring_length=4, n_steps=5, rows=[0, -1, 1, 2], flush_at={1: 2})
+    _run_sharded(heads, tp=2, ring_length=4, n_steps=5, rows=[0, -1, 1, 2], flush_at={1: 2}, ring_layout=layout)
 
 
-def test_sharded_fewer_qk_heads_than_ranks_matches_single_rank():
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
+def test_sharded_fewer_qk_heads_than_ranks_matches_single_rank(layout):
     heads = KDAHeads(2, 8, KD, VD)  # H=2 < tp=4: each q/k head replicated on two ranks
     assert [s.q_head_start for s in all_shards(heads, 4)] == [0, 0, 1, 1]
-    _run_sharded(heads, tp=4, ring_length=L, n_steps=3, rows=[1, -1, 0, -1], flush_at={0: 0})
+    _run_sharded(heads, tp=4, ring_length=L, n_steps=3, rows=[1, -1, 0, -1], flush_at={0: 0}, ring_layout=layout)
 
 
 # ---- wiring: the op, the cursors and the placement checks --------------------------------------
 
-def test_decode_calls_the_op_with_layer_views_and_cursors(monkeypatch):
-    pool = make_pool(num_layers=3)
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
+def test_decode_calls_the_op_with_layer_views_and_cursors(monkeypatch, layout):
+    """The pool's decode is one ``run_decode`` call (the op's entry) on the layer's views, with the pool's cursor
+    table read by slot (``cursor_table=True``) in the pool's ring layout."""
+    pool = make_pool(num_layers=3, ring_layout=layout)
     live = pool.alloc(3)
     pool.cursors[live.long()] = i32([2, 0, 1])
     seen = {}
-    real = ops.decode_with_cursor_table
+    real = pool_module.run_decode
 
-    def spy(*args, **kwargs):
-        seen["args"], seen["kwargs"] = args, kwargs
-        return real(*args, **kwargs)
+    def spy(call, **kwargs):
+        seen["call"], seen["kwargs"] = call, kwargs
+        return real(call, **kwargs)
 
-    monkeypatch.setattr(ops, "decode_with_cursor_table", spy)
+    monkeypatch.setattr(pool_module, "run_decode", spy)
     gen = torch.Generator().manual_seed(3)
     p = params_for(2, gen)
     inp = small_inputs(gen)
     slots = i32([int(live[1]), -1, int(live[0]), int(live[2])])
     ckpt_before = pool.checkpoint.clone()
     out = pool.decode(2, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
-    a = seen["args"]
-    for got, whole in zip(a[6:10], (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache)):
+    call = seen["call"]
+    views = (call.initial_state, call.d_cache, call.k_cache, call.g_cache)
+    for got, whole in zip(views, (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache)):
         assert got.data_ptr() == whole[2].data_ptr() and got.shape == whole.shape[1:]
-    assert a[10] is out and a[11] is slots
-    assert a[12] is pool.cursors  # the kernel reads each row's cursor by slot from the pool's table
-    assert seen["kwargs"]["use_qk_l2norm_in_kernel"] is True
+    assert call.out is out and call.ssm_state_indices is slots
+    assert call.write_pos is pool.cursors  # the kernel reads each row's cursor by slot from the pool's table
+    assert seen["kwargs"]["cursor_table"] is True and seen["kwargs"]["ring_layout"] == layout
+    assert seen["kwargs"]["advance"] is False
+    assert call.use_qk_l2norm_in_kernel is True
     assert out.dtype == inp.mixed_qkv.dtype
     # live[0] was at cursor L-1: only it flushed, into layer 2's checkpoint
     changed = (pool.checkpoint != ckpt_before).flatten(2).any(-1)
@@ -305,7 +373,7 @@ def test_placement_error_on_first_decode_with_inputs_elsewhere():
     pool = make_pool(num_layers=1)
     p = params_for(2)
     inp = small_inputs(device="meta")
-    with pytest.raises(placement.PlacementError, match="mixed_qkv"):
+    with pytest.raises(PlacementError, match="mixed_qkv"):
         pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, i32([-1] * B))
 
 
@@ -382,8 +450,9 @@ def test_advance_matches_cursor_model():
         assert pool.cursors[:6].tolist() == expected
 
 
-def test_load_state_and_read_state():
-    pool = make_pool(num_layers=2, state_dtype=torch.bfloat16)
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
+def test_load_state_and_read_state(layout):
+    pool = make_pool(num_layers=2, state_dtype=torch.bfloat16, ring_layout=layout)
     ids = pool.alloc(3)
     gen = torch.Generator().manual_seed(4)
     for t in (pool.d_cache, pool.k_cache, pool.g_cache):
@@ -399,9 +468,15 @@ def test_load_state_and_read_state():
             Sx = pool.checkpoint[layer, s].double()
             for j in range(c):
                 g = pool.g_cache[layer, s, :, j].double()  # [HV, K]
-                k = pool.k_cache[layer, s, 0, j].double()  # H = 1
                 d = pool.d_cache[layer, s, :, j].double()  # [HV, V]
-                Sx = Sx * g.exp()[:, None, :] + d[:, :, None] * k[None, None, :]
+                if layout == "sglang":  # per-step gates, one key per q/k head (H = 1)
+                    k = pool.k_cache[layer, s, 0, j].double()
+                    Sx = Sx * g.exp()[:, None, :] + d[:, :, None] * k[None, None, :]
+                else:  # keys k_j * exp(-G_j) per value head; the state is scaled by exp(G_{c-1}) at the end
+                    k = pool.k_cache[layer, s, :, j].double()  # [HV, K]
+                    Sx = Sx + d[:, :, None] * k[:, None, :]
+            if layout == "predecayed" and c > 0:
+                Sx = Sx * pool.g_cache[layer, s, :, c - 1].double().exp()[:, None, :]
             torch.testing.assert_close(got[n].double(), Sx, rtol=1e-5, atol=1e-5)
     before = {k: v.clone() for k, v in {**pool_tensors(pool), "cursors": pool.cursors}.items()}
     pool.read_state(0, ids)
@@ -420,7 +495,7 @@ def test_load_state_and_read_state():
 
 # ---- memory accounting ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", ["spec", "predecayed"])
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
 def test_memory_accounting_matches_tensors(caplog, layout):
     heads = KDAHeads(2, 8, KD, 32)
     with caplog.at_level(logging.INFO, logger="tp_replayssm.pool"):
@@ -444,10 +519,12 @@ def test_memory_accounting_matches_tensors(caplog, layout):
     assert any(f"{layout} ring layout" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("layout", ["sglang", "predecayed"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_slots_that_fit(tp):
+def test_slots_that_fit(tp, layout):
     heads = KDAHeads(2, 8, 64, 64)
-    cfg = dict(tp_size=tp, num_layers=4, ring_length=8, state_dtype=torch.float32, cache_dtype=torch.bfloat16)
+    cfg = dict(tp_size=tp, num_layers=4, ring_length=8, state_dtype=torch.float32, cache_dtype=torch.bfloat16,
+               ring_layout=layout)
     for budget in (0, 100, 10**6, 3 * 2**30, pool_memory(heads, num_slots=37, **cfg).total):
         n = slots_that_fit(heads, budget_bytes=budget, **cfg)
         assert n >= 0
@@ -479,7 +556,9 @@ def test_slots_that_fit(tp):
         (dict(tp_size=3), "tp=3"),
         (dict(tp_size=2, tp_rank=2), "tp_rank"),
         (dict(heads=KDAHeads(3, 6, 16, 16), tp_size=2, tp_rank=0), "H=3"),
-        (dict(ring_layout="pre-decayed"), r"`ring_layout` must be one of \['spec', 'predecayed'\]; got 'pre-decayed'"),
+        (dict(ring_layout="pre-decayed"),
+         r"`ring_layout` must be one of \['predecayed', 'sglang'\]; got 'pre-decayed'"),
+        (dict(ring_layout="spec"), r"`ring_layout` must be one of \['predecayed', 'sglang'\]; got 'spec'"),  # old name
         (dict(ring_layout=None), "`ring_layout`.*got None"),
         (dict(ring_layout="predecayed", cache_dtype=torch.float16), "cache dtype.*float16"),
     ],
@@ -488,6 +567,32 @@ def test_constructor_rejects_bad_config(kw, needle):
     heads = kw.pop("heads", SMALL)
     with pytest.raises(ValueError, match=needle):
         make_pool(heads, **kw)
+
+
+def test_default_ring_layout_is_predecayed():
+    """The pool's default ring layout is "predecayed" (k ring per value head); "sglang" keeps SGLang's k ring, one
+    key per q/k head ``[NL, S, H_l, L, K]``. An fp16 cache needs the sglang layout, and the error says so."""
+    heads = KDAHeads(2, 8, KD, VD)  # local shard of tp=2: H_l = 1, HV_l = 4
+    pool = make_pool(heads, num_layers=3, tp_rank=1, tp_size=2)
+    assert pool.ring_layout == "predecayed" and pool.predecayed
+    assert tuple(pool.k_cache.shape) == (3, S, 4, L, KD)
+    sglang = make_pool(heads, num_layers=3, tp_rank=1, tp_size=2, ring_layout="sglang")
+    assert sglang.ring_layout == "sglang" and not sglang.predecayed
+    assert tuple(sglang.k_cache.shape) == (3, S, 1, L, KD)
+    for p in (pool, sglang):  # the other tensors do not depend on the layout
+        assert tuple(p.checkpoint.shape) == (3, S, 4, VD, KD) and tuple(p.d_cache.shape) == (3, S, 4, L, VD)
+        assert tuple(p.g_cache.shape) == (3, S, 4, L, KD) and tuple(p.cursors.shape) == (S + 1,)
+    with pytest.raises(ValueError, match="ring_layout='sglang'"):
+        make_pool(cache_dtype=torch.float16)
+    assert make_pool(cache_dtype=torch.float16, ring_layout="sglang").cache_dtype == torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match="`device`") as info:
+            ReplaySSMStatePool(SMALL, num_layers=1, num_slots=S, ring_length=L, device=device)
+        assert "no CUDA" in str(info.value), info.value
 
 
 def test_decode_and_state_calls_reject_bad_input():
@@ -529,6 +634,25 @@ def test_decode_and_state_calls_reject_bad_input():
         pool.load_state(0, ids.to("meta"), torch.zeros(2, 2, VD, KD, device=DEV))
 
 
+def test_decode_batch_mismatch_names_the_tensor_and_slots():
+    """The call's batch is the dim-0 size most per-row tensors share, so the error names the tensor that
+    disagrees (``mixed_qkv``, not its neighbour ``a``); the pool's errors call the row slots ``slots``."""
+    pool = make_pool(num_layers=1)
+    pool.alloc(2)
+    p = params_for(2)
+    inp = small_inputs()
+    pad = i32([-1] * B)
+    with pytest.raises(ValueError, match="`mixed_qkv`") as info:
+        pool.decode(0, inp.mixed_qkv[: B - 1], inp.a, inp.b, p.A_log, p.dt_bias, pad)
+    assert "`a`" not in str(info.value) and f"B = {B}" in str(info.value), info.value
+    with pytest.raises(ValueError, match="`slots`") as info:
+        pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad[: B - 1])
+    assert "ssm_state_indices" not in str(info.value), info.value
+    with pytest.raises(ValueError, match="`force_flush`") as info:
+        pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad, force_flush=pad[: B - 1])
+    assert "ssm_state_indices" not in str(info.value), info.value
+
+
 def test_debug_mode_checks(monkeypatch):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
     assert make_pool().debug is False
@@ -540,7 +664,7 @@ def test_debug_mode_checks(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the op must not run when a debug check fails")
 
-    monkeypatch.setattr(ops, "replayssm_decode", forbidden)
+    monkeypatch.setattr(pool_module, "run_decode", forbidden)
     ids = pool.alloc(2).tolist()
     p = params_for(2)
     inp = small_inputs()
@@ -548,24 +672,69 @@ def test_debug_mode_checks(monkeypatch):
     free_slot = (set(range(S)) - set(ids)).pop()
     for rows, needle in [([ids[0], free_slot, -1, -1], "not allocated"), ([ids[0], S, -1, -1], "out of range"),
                          ([ids[0], ids[0], -1, -1], "more than once")]:
-        with pytest.raises(ValueError, match=needle):
+        with pytest.raises(SlotError, match=needle):  # a ValueError
             pool.decode(0, *args, i32(rows))
     pool.cursors[ids[1]] = L
-    with pytest.raises(ValueError, match="cursors"):
+    with pytest.raises(SlotError, match="cursors"):
         pool.decode(0, *args, i32([ids[1], -1, -1, -1]))
-    with pytest.raises(ValueError, match="cursors"):
+    with pytest.raises(SlotError, match="cursors"):
         pool.advance(i32([ids[1]]))
     pool.cursors[ids[1]] = 0
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(SlotError, match="not allocated"):
         pool.advance(i32([free_slot]))
     pool.advance(i32([ids[0], ids[0], -1]))  # duplicates are fine in advance
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(SlotError, match="not allocated"):
         pool.read_state(0, i32([free_slot]))
-    with pytest.raises(ValueError, match="more than once"):
+    with pytest.raises(SlotError, match="more than once"):
         pool.load_state(0, i32([ids[0], ids[0]]), torch.zeros(2, 2, VD, KD, device=DEV))
 
 
-# ---- CUDA graphs (issue 3 item 6; run on the GPU) --------------------------------------------------
+# ---- a pool on CPU with no environment variable ----------------------------------------------------
+
+_NO_ENV_SCRIPT = """
+import os
+assert "TRITON_INTERPRET" not in os.environ and "TP_REPLAYSSM_CPU_BACKEND" not in os.environ
+import torch
+from tp_replayssm import KDAHeads, ReplaySSMStatePool
+from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
+
+H, HV, K, V, S, L, B = 1, 2, 16, 16, 4, 3, 4
+for layout in ("predecayed", "sglang"):
+    gen = torch.Generator().manual_seed(5)
+    pool = ReplaySSMStatePool(KDAHeads(H, HV, K, V), num_layers=1, num_slots=S, ring_length=L, device="cpu",
+                              ring_layout=layout)
+    ids = pool.alloc(3)
+    p = random_head_params(HV, K, generator=gen)
+    oracle = PlainKDA(S, H, HV, K, V)
+    slots = torch.tensor([int(ids[0]), -1, int(ids[1]), int(ids[2])], dtype=torch.int32)
+    err_out = err_state = 0.0
+    for step in range(L + 1):
+        x = random_decode_inputs(B, H, HV, K, V, dtype=torch.float32, generator=gen)
+        out = pool.decode(0, x.mixed_qkv, x.a, x.b, p.A_log, p.dt_bias, slots)
+        err_out = max(err_out, rel_err(out[:, 0], oracle.step(x, p, slots)))
+        pool.advance(slots)
+        err_state = max(err_state, rel_err(pool.read_state(0, ids), oracle.state[ids.long()]))
+    print(f"{layout}: cursors {pool.cursors[ids.long()].tolist()} out {err_out:.3e} state {err_state:.3e}")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_cpu_pool_works_without_environment_variables():
+    """A fresh process with neither ``TRITON_INTERPRET`` nor ``TP_REPLAYSSM_CPU_BACKEND`` builds a CPU pool, allocs,
+    decodes a few steps, advances and reads the state, equal to the float64 oracle (both ring layouts)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_REPLAYSSM_CPU_BACKEND")}
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", _NO_ENV_SCRIPT], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=110)
+    assert run.returncode == 0, run.stderr[-4000:]
+    found = re.findall(r"^(\w+): cursors \[(.*)\] out (\S+) state (\S+)$", run.stdout, flags=re.M)
+    assert [f[0] for f in found] == ["predecayed", "sglang"], run.stdout
+    for _, cursors, err_out, err_state in found:
+        assert cursors == "1, 1, 1"  # L + 1 steps: a full ring cycle (the flush at L-1 wraps to 0), one more
+        assert float(err_out) < TOL_BF16 and float(err_state) < TOL_BF16, run.stdout
+
+
+# ---- CUDA graphs (run on the GPU) -------------------------------------------------------------------
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

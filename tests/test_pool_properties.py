@@ -2,7 +2,8 @@
 
 The alloc/free state machine runs random sequences against a model (a set of handed-out ids): no id is
 handed out twice while held, ids stay in range, a failing call changes nothing, nothing leaks, and
-every new slot starts from a zero state and cursor whatever it held before. No kernel runs here.
+every new slot starts from a zero state and cursor whatever it held before, in both ring layouts (their k rings
+differ in shape). No kernel runs here.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ GARBAGE = -7.5
 
 
 class AllocFreeMachine(RuleBasedStateMachine):
+    ring_layout = "predecayed"  # the pool's default
+
     def __init__(self) -> None:
         super().__init__()
         self.num_slots = 6
-        self.pool = ReplaySSMStatePool(HEADS, num_layers=2, num_slots=self.num_slots, ring_length=3, device="cpu")
+        self.pool = ReplaySSMStatePool(HEADS, num_layers=2, num_slots=self.num_slots, ring_length=3, device="cpu",
+                                       ring_layout=self.ring_layout)
+        assert self.pool.ring_layout == self.ring_layout
         self.held: set[int] = set()
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -98,8 +103,14 @@ class AllocFreeMachine(RuleBasedStateMachine):
         assert sorted(self.pool.alloc(self.num_slots).tolist()) == list(range(self.num_slots))
 
 
+class AllocFreeSglangMachine(AllocFreeMachine):
+    ring_layout = "sglang"
+
+
 AllocFreeMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+AllocFreeSglangMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
 TestAllocFree = AllocFreeMachine.TestCase
+TestAllocFreeSglang = AllocFreeSglangMachine.TestCase
 
 
 @given(

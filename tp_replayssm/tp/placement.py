@@ -91,7 +91,7 @@ class PoolFingerprint:
     ring_length: int
     state_dtype: str
     cache_dtype: str
-    ring_layout: str = "spec"  # the rings' layout: "spec" or "predecayed" (ReplaySSMStatePool)
+    ring_layout: str = "predecayed"  # the rings' layout: "predecayed" or "sglang" (ReplaySSMStatePool)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
