@@ -155,9 +155,10 @@ def describe_record(record: list[int]) -> str | None:
     shown = ", ".join(f"row {r} slot {s}" for r, s in pairs) + (" ..." if n_rows > RECORDED_ROWS else "")
     others = n_all - n_rows
     return (f"ReplaySSMStatePool.{method}{f'(layer={layer})' if layer >= 0 else ''}: {n_rows} row(s) named a slot "
-            f"that is out of range, not allocated, or repeated within the call: {shown}; they were treated as "
-            f"padding rows (zero output, nothing written)"
-            + (f"; {others} more bad row(s) in later calls" if others > 0 else ""))
+            f"that is out of range, not allocated, or repeated within the call (the first such call since the last "
+            f"check, with later calls of the same method and layer): {shown}; they were treated as padding rows "
+            f"(zero output, nothing written)"
+            + (f"; {others} more bad row(s) in later calls of other methods or layers" if others > 0 else ""))
 
 
 class SlotGuard(NamedTuple):
