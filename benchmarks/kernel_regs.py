@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
 
         spec = importlib.util.spec_from_file_location("candidate_kernel", args.kernel)
         module = importlib.util.module_from_spec(spec)
+        sys.modules["candidate_kernel"] = module  # Helion looks the kernel's module up by name
         spec.loader.exec_module(module)
         kernel_fn = module.replayssm_decode_kernel
     r = kernel_resources(plan, args.state, kernel_fn=kernel_fn)

@@ -66,6 +66,7 @@ def replayssm_decode_kernel(
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (docs/kernel_design.md)
     vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
     named_block: hl.constexpr = 16,  # rows per step of the scan that counts how many rows name a slot
+    on_gpu: hl.constexpr = True,  # device code, or the Triton interpreter (which runs no inline PTX)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -125,6 +126,10 @@ def replayssm_decode_kernel(
                     others = nb + hl.arange(named_block)
                     same = (hl.load(slots, [others], extra_mask=others < B) == slot) & (others < B)
                     named = named + torch.sum(torch.where(same, 1, 0), dim=0).to(torch.int32)
+                if on_gpu:  # lane 0's count to every lane: ptxas then knows it is warp-uniform, and the branches
+                    # below need no divergent-warp code for their shuffles (which doubled the SASS and spilled)
+                    named = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [named],
+                                                      dtype=torch.int32, is_pure=True, pack=1)
                 ok = ok & (named == 1)
             if advance_cursors:  # the last of the readers of this word (every row naming the slot) stores it
                 if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):

@@ -99,6 +99,7 @@ class DecodePlan:
     predecayed_ring: int  # 0 sglang layout; pre-decayed: 1 no rebase possible, 2 rebase via flush, 3 rebase pass
     advance_readers: int  # 0, or the programs that read one row's cursor (the fused advance counts them)
     named_block: int  # rows per step of the scan that finds slots named twice (the pool's calls)
+    on_gpu: bool  # device code (inline PTX allowed), or the Triton interpreter
     cursor_table: bool
     ring_length: int
     ring_block: int
@@ -119,13 +120,15 @@ class DecodePlan:
                     use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
                     cursors_by_slot=self.cursor_table, tiny_batch=self.tiny_batch,
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
-                    advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block)
+                    advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
+                    on_gpu=self.on_gpu)
 
     def check(self, problem: DecodeProblem) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
         combination the kernel does not have)."""
         want = plan_decode(problem)
-        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block"):
+        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block",
+                     "on_gpu"):
             if getattr(self, name) != getattr(want, name):
                 raise ValueError(f"DecodePlan: `{name}` is {getattr(self, name)!r} but this call needs "
                                  f"{getattr(want, name)!r} ({self})")
@@ -271,6 +274,6 @@ def plan_decode(problem: DecodeProblem) -> DecodePlan:
         vector_tiles=_vector_tiles(problem, vt, chunk, warps, mma), predecayed_ring=mode,
         advance_readers=cursor_readers(problem, vt) if problem.advance else 0,
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())) if problem.cursor_table else 16,
-        cursor_table=problem.cursor_table,
+        on_gpu=problem.device_type == "cuda", cursor_table=problem.cursor_table,
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
         use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound)
