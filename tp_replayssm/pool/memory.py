@@ -18,10 +18,12 @@ import dataclasses
 import torch
 
 from ..tp.heads import KDAHeads, shard_heads
+from .slots import ERROR_WORDS
 
 __all__ = ["PoolMemory", "pool_memory", "slots_that_fit"]
 
 CURSOR_BYTES = torch.tensor([], dtype=torch.int32).element_size()
+RECORD_BYTES = ERROR_WORDS * CURSOR_BYTES
 _GIB = float(1 << 30)
 _MIB = float(1 << 20)
 
@@ -30,7 +32,7 @@ _MIB = float(1 << 20)
 class PoolMemory:
     """Bytes of one rank's pool. ``*_per_slot_layer``: one slot in one layer; ``per_slot``: one slot
     over every layer plus its cursor; ``per_layer``: every slot of one layer; ``total``: everything
-    the pool allocates (including the scratch cursor)."""
+    the pool allocates (the scratch cursor and conv window, and the slot-error record, included)."""
 
     num_layers: int
     num_slots: int
@@ -39,6 +41,8 @@ class PoolMemory:
     k_ring_per_slot_layer: int
     g_ring_per_slot_layer: int
     cursor_per_slot: int
+    conv_per_slot_layer: int = 0  # the conv window (conv_kernel_size > 0)
+    record_bytes: int = 0  # the slot-error record
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -48,9 +52,9 @@ class PoolMemory:
 
     @property
     def per_slot_layer(self) -> int:
-        """Checkpoint + three rings of one slot in one layer."""
+        """Checkpoint, three rings and conv window of one slot in one layer."""
         return (self.checkpoint_per_slot_layer + self.d_ring_per_slot_layer + self.k_ring_per_slot_layer
-                + self.g_ring_per_slot_layer)
+                + self.g_ring_per_slot_layer + self.conv_per_slot_layer)
 
     @property
     def ring_per_slot_layer(self) -> int:
@@ -73,7 +77,8 @@ class PoolMemory:
 
     @property
     def total(self) -> int:
-        return self.num_layers * self.per_layer + self.cursors
+        """Every slot of every layer, the cursors, the scratch conv windows and the slot-error record."""
+        return self.num_layers * (self.per_layer + self.conv_per_slot_layer) + self.cursors + self.record_bytes
 
     def describe(self) -> str:
         """One human-readable line (for the log)."""
@@ -81,7 +86,8 @@ class PoolMemory:
             f"{self.total / _GIB:.3f} GiB total = {self.num_layers} layers x {self.num_slots} slots x "
             f"{self.per_slot_layer} B (checkpoint {self.checkpoint_per_slot_layer} B, rings d "
             f"{self.d_ring_per_slot_layer} B + k {self.k_ring_per_slot_layer} B + g "
-            f"{self.g_ring_per_slot_layer} B) + cursors {self.cursors} B; per slot {self.per_slot} B, "
+            f"{self.g_ring_per_slot_layer} B{f', conv window {self.conv_per_slot_layer} B' if self.conv_per_slot_layer else ''}) "
+            f"+ cursors {self.cursors} B; per slot {self.per_slot} B, "
             f"per layer {self.per_layer / _MIB:.2f} MiB"
         )
 
@@ -92,7 +98,8 @@ def _element_size(dtype: torch.dtype) -> int:
 
 def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: int, ring_length: int,
                 state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.bfloat16,
-                ring_layout: str = "predecayed") -> PoolMemory:
+                ring_layout: str = "predecayed", conv_kernel_size: int = 0,
+                conv_dtype: torch.dtype | None = None) -> PoolMemory:
     """The :class:`PoolMemory` of one rank's pool for this config (every rank's shard has the same size)."""
     local = shard_heads(heads, tp_size, 0).local
     HV, H, K, V, L = local.num_v_heads, local.num_q_heads, local.key_dim, local.value_dim, ring_length
@@ -105,12 +112,16 @@ def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: in
         k_ring_per_slot_layer=(HV if ring_layout == "predecayed" else H) * L * K * cache,
         g_ring_per_slot_layer=HV * L * K * _element_size(torch.float32),
         cursor_per_slot=CURSOR_BYTES,
+        conv_per_slot_layer=(local.qkv_width * (conv_kernel_size - 1) * _element_size(conv_dtype or cache_dtype)
+                             if conv_kernel_size else 0),
+        record_bytes=RECORD_BYTES,
     )
 
 
 def slots_that_fit(heads: KDAHeads, *, tp_size: int, num_layers: int, ring_length: int,
                    state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.bfloat16,
-                   budget_bytes: int, ring_layout: str = "predecayed") -> int:
+                   budget_bytes: int, ring_layout: str = "predecayed", conv_kernel_size: int = 0,
+                   conv_dtype: torch.dtype | None = None) -> int:
     """The largest ``num_slots`` whose pool (``pool_memory(...).total``) fits in ``budget_bytes`` on one
     rank; 0 when not even one slot fits. E.g. ``budget_bytes=int(40 * 2**30)`` for 40 GiB."""
     if not isinstance(budget_bytes, int) or isinstance(budget_bytes, bool) or budget_bytes < 0:
@@ -120,8 +131,9 @@ def slots_that_fit(heads: KDAHeads, *, tp_size: int, num_layers: int, ring_lengt
     if not isinstance(ring_length, int) or ring_length < 1:
         raise ValueError(f"slots_that_fit: `ring_length` must be a positive int; got {ring_length!r}")
     unit = pool_memory(heads, tp_size=tp_size, num_layers=num_layers, num_slots=0, ring_length=ring_length,
-                       state_dtype=state_dtype, cache_dtype=cache_dtype, ring_layout=ring_layout)
-    fixed = unit.total  # the scratch cursor
+                       state_dtype=state_dtype, cache_dtype=cache_dtype, ring_layout=ring_layout,
+                       conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype)
+    fixed = unit.total  # the scratch cursor and conv windows, the slot-error record
     if budget_bytes < fixed:
         return 0
     return (budget_bytes - fixed) // unit.per_slot

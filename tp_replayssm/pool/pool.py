@@ -48,7 +48,7 @@ from ..tp import placement
 from ..tp.devices import resolve_device
 from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
-from . import state
+from . import conv, state
 from .memory import PoolMemory, pool_memory
 from ..errors import SlotError
 from .slots import (ERROR_WORDS, FREE_CURSOR, SlotGuard, SlotTable, call_code, check_ids, describe_record, host_ids,
@@ -97,6 +97,8 @@ class ReplaySSMStatePool:
         device: torch.device | str | int | None = None,
         debug: bool | None = None,
         ring_layout: str = "predecayed",
+        conv_kernel_size: int = 0,
+        conv_dtype: torch.dtype | None = None,
     ) -> None:
         where = "ReplaySSMStatePool"
         if not isinstance(heads, KDAHeads):
@@ -104,6 +106,12 @@ class ReplaySSMStatePool:
         for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("ring_length", ring_length)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
+        if not is_int(conv_kernel_size) or conv_kernel_size < 0:
+            raise ValueError(f"{where}: `conv_kernel_size` must be a non-negative int (0: no conv state); got "
+                             f"{conv_kernel_size!r}")
+        conv_dtype = cache_dtype if conv_dtype is None else conv_dtype
+        if conv_dtype not in CACHE_DTYPES:
+            raise ValueError(f"{where}: `conv_dtype` must be None or one of {list(CACHE_DTYPES)}; got {conv_dtype!r}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"{where}: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
         if cache_dtype not in CACHE_DTYPES:
@@ -127,6 +135,8 @@ class ReplaySSMStatePool:
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
         self.state_dtype, self.cache_dtype = state_dtype, cache_dtype
         self.ring_layout = ring_layout
+        self.conv_kernel_size, self.conv_dtype = conv_kernel_size, conv_dtype
+        self.conv_channels = self.local_heads.qkv_width  # D: the conv runs over mixed_qkv's columns
         self.device = resolve_device(device, where)
         self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
 
@@ -141,6 +151,9 @@ class ReplaySSMStatePool:
         # a free slot's cursor is FREE_CURSOR (slot safety: the kernels refuse rows of free slots); S is the scratch
         self.cursors = torch.full((S + 1,), FREE_CURSOR, dtype=torch.int32, **kw)
         self.cursors[S] = 0
+        # the last W-1 pre-conv inputs per layer and slot, oldest first; slot S is a scratch window (pool.conv)
+        self.conv_state = (torch.zeros(NL, S + 1, self.conv_channels, conv_kernel_size - 1, dtype=conv_dtype, **kw)
+                           if conv_kernel_size else None)
         self.slot_errors = torch.zeros(ERROR_WORDS, dtype=torch.int32, **kw)  # the record pool.check() reads
         self._codes: dict[tuple[str, int | None], torch.Tensor] = {}
 
@@ -150,11 +163,12 @@ class ReplaySSMStatePool:
         self._layer_checked = [False] * NL
         self.memory: PoolMemory = pool_memory(
             heads, tp_size=tp_size, num_layers=NL, num_slots=S, ring_length=L, state_dtype=state_dtype,
-            cache_dtype=cache_dtype, ring_layout=ring_layout)
+            cache_dtype=cache_dtype, ring_layout=ring_layout, conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype)
         self.fingerprint = placement.PoolFingerprint(
             num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
             value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
-            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout)
+            ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout,
+            conv_kernel_size=conv_kernel_size, conv_dtype=str(conv_dtype) if conv_kernel_size else "")
         self._check_placement(self._pool_tensors(), f"{where}.__init__")
         logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
                     tp_rank, tp_size, self.device, H, HV, K, V, L, ring_layout, self.memory.describe())
@@ -202,8 +216,9 @@ class ReplaySSMStatePool:
         out = torch.tensor(ids, dtype=torch.int32, device=self.device)
         if n:
             idx = out.long()
-            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache):
-                t.index_fill_(1, idx, 0)
+            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state):
+                if t is not None:
+                    t.index_fill_(1, idx, 0)
             self.cursors.index_fill_(0, idx, 0)
         return out
 
@@ -239,15 +254,38 @@ class ReplaySSMStatePool:
 
     # ---- state in / out -------------------------------------------------------------------------
 
-    def load_state(self, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+    def load_state(self, layer: int, slots: torch.Tensor, states: torch.Tensor,
+                   conv_states: torch.Tensor | None = None) -> None:
         """Set ``layer``'s checkpoint of ``slots [n]`` to ``states [n, HV_l, V, K]`` (cast to the state dtype) and
-        empty that layer's ring of those slots. The shared cursor (and the other layers) are untouched."""
-        state.load_state(self, layer, slots, states)
+        empty that layer's ring of those slots; ``conv_states [n, D, W-1]`` (oldest first) sets their conv windows
+        (None leaves them). The shared cursor (and the other layers) are untouched."""
+        state.load_state(self, layer, slots, states, conv_states)
 
     def read_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The current state ``[n, HV_l, V, K]`` fp32 of ``slots [n]`` in ``layer``: checkpoint plus the replayed
         ring entries ``j < cursor``. Changes nothing."""
         return state.read_state(self, layer, slots)
+
+    def read_conv_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The conv windows ``[n, D, W-1]`` (oldest first, ``conv_dtype``) of ``slots [n]`` in ``layer``. Changes
+        nothing."""
+        return state.read_conv_state(self, layer, slots)
+
+    # ---- the short convolution ------------------------------------------------------------------
+
+    def conv_update(self, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
+                    bias: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+        """The causal depthwise convolution of ``x [B, D]`` or ``[B, T, D]`` (pre-conv, this rank's channels) with
+        ``weight [D, W]`` and ``bias [D]``, continuing each row's window and leaving the last ``W-1`` inputs in it;
+        returns ``y`` of ``x``'s shape and dtype (:mod:`tp_replayssm.pool.conv`). Padding rows (slot < 0) get
+        zeros and change nothing; so do bad rows (recorded for :meth:`check`). No host sync."""
+        where = f"ReplaySSMStatePool.conv_update(layer={layer})"
+        self._check_layer(layer, "conv_update")
+        conv.check_conv_args(self, x, weight, bias, activation, where)
+        if self.debug:
+            self._debug_check(slots, where, allow_padding=True, unique=True)
+        return conv.conv_update(self, layer, x, weight, slots, bias, activation, self.guard("conv_update", layer),
+                                where)
 
     # ---- the decode step ------------------------------------------------------------------------
 
@@ -267,6 +305,8 @@ class ReplaySSMStatePool:
         force_flush: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         advance: bool = False,
+        conv_weight: torch.Tensor | None = None,
+        conv_bias: torch.Tensor | None = None,
         plan: DecodePlan | None = None,
     ) -> torch.Tensor:
         """One decode token per row of this rank's LOCAL inputs (:class:`~tp_replayssm.tp.heads.HeadShard` slices
@@ -275,7 +315,9 @@ class ReplaySSMStatePool:
         ``force_flush [B]`` int32 or None. Returns ``out [B, 1, HV_l, V]`` (allocated in ``mixed_qkv.dtype`` when
         None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
-        would. ``plan`` replaces the library's launch plan (benchmarks)."""
+        would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
+        SiLU) runs first and advances the rows' windows (:meth:`conv_update`). ``plan`` replaces the library's
+        launch plan (benchmarks)."""
         where = f"ReplaySSMStatePool.decode(layer={layer})"
         self._check_layer(layer, "decode")
         if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
@@ -292,6 +334,11 @@ class ReplaySSMStatePool:
         check_ids(slots, where, self.device, (torch.int32,))
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=True)
+        if conv_weight is not None:
+            conv.check_conv_args(self, mixed_qkv, conv_weight, conv_bias, "silu", where)
+            mixed_qkv = conv.conv_update(self, layer, mixed_qkv, conv_weight, slots, conv_bias, "silu", None, where)
+        elif conv_bias is not None:
+            raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
         call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
                           use_qk_l2norm_in_kernel, lower_bound)
         run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
@@ -327,7 +374,8 @@ class ReplaySSMStatePool:
 
     def _pool_tensors(self) -> dict[str, torch.Tensor]:
         return {"checkpoint": self.checkpoint, "d_cache": self.d_cache, "k_cache": self.k_cache,
-                "g_cache": self.g_cache, "cursors": self.cursors, "slot_errors": self.slot_errors}
+                "g_cache": self.g_cache, "cursors": self.cursors, "slot_errors": self.slot_errors,
+                **({"conv_state": self.conv_state} if self.conv_state is not None else {})}
 
     def _check_placement(self, tensors: dict[str, torch.Tensor], context: str) -> None:
         placement.collective_placement_check(

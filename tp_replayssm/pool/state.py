@@ -21,10 +21,11 @@ from .slots import check_ids, raise_slot_error
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["load_state", "read_state"]
+__all__ = ["load_state", "read_conv_state", "read_state"]
 
 
-def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states: torch.Tensor) -> None:
+def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states: torch.Tensor,
+               conv_states: torch.Tensor | None = None) -> None:
     """:meth:`ReplaySSMStatePool.load_state`."""
     where = "ReplaySSMStatePool.load_state"
     pool._check_layer(layer, "load_state")
@@ -41,9 +42,19 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                          f"{states.dtype}")
     if states.device != pool.device:
         raise ValueError(f"{where}: `states` must be on {pool.device}; got {states.device}")
+    if conv_states is not None:
+        if pool.conv_state is None:
+            raise ValueError(f"{where}: `conv_states` given but this pool holds no conv state (conv_kernel_size=0)")
+        D, W1 = pool.conv_channels, pool.conv_kernel_size - 1
+        if not isinstance(conv_states, torch.Tensor) or tuple(conv_states.shape) != (n, D, W1) \
+                or not conv_states.dtype.is_floating_point or conv_states.device != pool.device:
+            raise ValueError(f"{where}: `conv_states` must be a floating tensor [n, D, W-1] = {[n, D, W1]} on "
+                             f"{pool.device}; got {describe(conv_states)}")
     _check_slots(pool, slots, where, unique=True)
     idx = slots.long()
     views = pool.layer(layer)
+    if conv_states is not None:
+        pool.conv_state[layer].index_copy_(0, idx, conv_states.to(pool.conv_dtype))
     views.checkpoint.index_copy_(0, idx, states.to(pool.state_dtype))
     for ring in (views.d_cache, views.k_cache, views.g_cache):
         ring.index_fill_(0, idx, 0)
@@ -66,3 +77,14 @@ def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, u
     pool.check()
     raise_slot_error(where, pool._slots.problems([int(i) for i in slots.tolist()], allow_padding=False,
                                                  unique=unique))
+
+
+def read_conv_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.read_conv_state`."""
+    where = "ReplaySSMStatePool.read_conv_state"
+    pool._check_layer(layer, "read_conv_state")
+    if pool.conv_state is None:
+        raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
+    check_ids(slots, where, pool.device, (torch.int32, torch.int64))
+    _check_slots(pool, slots, where, unique=False)
+    return pool.conv_state[layer].index_select(0, slots.long())

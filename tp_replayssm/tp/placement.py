@@ -92,6 +92,8 @@ class PoolFingerprint:
     state_dtype: str
     cache_dtype: str
     ring_layout: str = "predecayed"  # the rings' layout: "predecayed" or "sglang" (ReplaySSMStatePool)
+    conv_kernel_size: int = 0  # the conv state's kernel (0: none)
+    conv_dtype: str = ""  # the conv windows' dtype ("" without conv state)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

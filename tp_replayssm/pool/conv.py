@@ -1,0 +1,96 @@
+"""The pool's conv state: the short causal depthwise convolution every KDA layer runs before the recurrence.
+
+With ``conv_kernel_size = W > 0`` the pool holds, per layer and slot, the last ``W-1`` pre-conv inputs of the rank's
+``D = 2*H_l*K + HV_l*V`` channels (``mixed_qkv``'s column order): ``pool.conv_state [NL, S + 1, D, W-1]``, oldest
+first, in ``pool.conv_dtype``; slot ``S`` is a scratch window that padding and refused rows read and write back
+unchanged. For ``x [B, T, D]`` pre-conv, with ``u`` the window followed by ``x``::
+
+    y[t] = act(sum_i weight[:, i] * u[t + i] + bias)        (i = 0 .. W-1; act = SiLU or the identity)
+
+and the window then holds the last ``W-1`` entries of ``u``. :func:`conv_reference` is that math, readable;
+:func:`conv_update` runs it for the pool's rows with slot safety (a row whose slot is out of range, free or repeated
+gets ``y = 0`` and changes no window; it is recorded for ``pool.check()``). The math is fp32; ``y`` takes ``x``'s
+dtype and the window stores inputs rounded to ``conv_dtype``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..validation import ACTIVATION_DTYPES, check_tensor, describe
+from .slots import SlotGuard, check_ids, record_bad_rows
+
+if TYPE_CHECKING:
+    from .pool import ReplaySSMStatePool
+
+__all__ = ["ACTIVATIONS", "conv_reference", "conv_update", "row_verdict"]
+
+ACTIVATIONS = ("silu", None)
+
+
+def conv_reference(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [B, T, D], new_window [B, D, W-1])`` from ``x [B, T, D]``, ``window [B, D, W-1]`` (oldest first),
+    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results."""
+    W = weight.shape[1]
+    u = torch.cat([window.float(), x.float().transpose(1, 2)], dim=2)  # [B, D, W-1+T]
+    y = F.conv1d(u, weight.float()[:, None, :], bias=None if bias is None else bias.float(), groups=weight.shape[0])
+    if activation == "silu":
+        y = F.silu(y)
+    return y.transpose(1, 2), u[:, :, u.shape[2] - (W - 1):]
+
+
+def row_verdict(pool: ReplaySSMStatePool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(live, idx)``: which rows may touch their slot (in range, allocated, named once in the call), and the slot
+    each row addresses (the scratch slot ``S`` for the others' padding-like reads). No host sync."""
+    S = pool.num_slots
+    in_range = (slots >= 0) & (slots < S)
+    idx = torch.where(in_range, slots, S).long()
+    named = torch.zeros(S + 1, dtype=torch.int32, device=slots.device).index_add_(0, idx, in_range.int())
+    cur = pool.cursors.index_select(0, idx)
+    live = in_range & (named.index_select(0, idx) == 1) & (cur >= 0) & (cur < pool.ring_length)
+    return live, idx
+
+
+def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: object, activation: object,
+                    where: str) -> None:
+    """Shapes, dtypes and devices of a conv call's arguments (``ValueError`` naming the argument)."""
+    if pool.conv_kernel_size == 0:
+        raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
+    D, W = pool.conv_channels, pool.conv_kernel_size
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D:
+        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with D = {D} (this rank's q/k/v channels); got "
+                         f"{describe(x)}")
+    check_tensor(where, "x", x, (tuple(x.shape),), ACTIVATION_DTYPES)
+    check_tensor(where, "weight", weight, ((D, W),), (torch.float32, torch.bfloat16, torch.float16),
+                 last_contiguous=False)
+    if bias is not None:
+        check_tensor(where, "bias", bias, ((D,),), (torch.float32, torch.bfloat16, torch.float16))
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{where}: `activation` must be one of {list(ACTIVATIONS)}; got {activation!r}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and t.device != pool.device:
+            raise ValueError(f"{where}: `{name}` must be on {pool.device}; got {t.device}")
+
+
+def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
+                bias: torch.Tensor | None, activation: str | None, guard: SlotGuard | None,
+                where: str) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.conv_update` after its checks: torch ops, no host sync, CUDA-graph capturable.
+    ``guard`` None records nothing (a decode with the conv records its bad rows itself)."""
+    check_ids(slots, where, pool.device, (torch.int32,))
+    if slots.shape[0] != x.shape[0]:
+        raise ValueError(f"{where}: `slots` must have one id per row of `x` ({x.shape[0]}); got {describe(slots)}")
+    x3 = x if x.dim() == 3 else x[:, None]
+    live, idx = row_verdict(pool, slots)
+    states = pool.conv_state[layer]
+    window = states.index_select(0, idx)
+    y, new_window = conv_reference(x3, window, weight, bias, activation)
+    y = torch.where(live[:, None, None], y, 0.0).to(x.dtype)
+    states.index_copy_(0, idx, torch.where(live[:, None, None], new_window.to(states.dtype), window))
+    if guard is not None:
+        record_bad_rows(guard.errors, guard.code, (slots >= 0) & ~live, slots)
+    return y if x.dim() == 3 else y[:, 0]
