@@ -109,13 +109,13 @@ class ReplaySSMStatePool:
         if not is_int(conv_kernel_size) or conv_kernel_size < 0:
             raise ValueError(f"{where}: `conv_kernel_size` must be a non-negative int (0: no conv state); got "
                              f"{conv_kernel_size!r}")
-        conv_dtype = cache_dtype if conv_dtype is None else conv_dtype
-        if conv_dtype not in CACHE_DTYPES:
-            raise ValueError(f"{where}: `conv_dtype` must be None or one of {list(CACHE_DTYPES)}; got {conv_dtype!r}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"{where}: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
         if cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"{where}: `cache_dtype` must be one of {list(CACHE_DTYPES)}; got {cache_dtype!r}")
+        conv_dtype = cache_dtype if conv_dtype is None else conv_dtype
+        if conv_dtype not in CACHE_DTYPES:
+            raise ValueError(f"{where}: `conv_dtype` must be None or one of {list(CACHE_DTYPES)}; got {conv_dtype!r}")
         if ring_layout not in RING_LAYOUTS:
             raise ValueError(f"{where}: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
         check_ring_layout(ring_layout, cache_dtype, f"{where} (ring_layout={ring_layout!r}; an fp16 cache needs "
