@@ -41,19 +41,23 @@ def launch_kinds() -> dict[str, dict]:
     from plan_args import build_plan
 
     kinds: dict[tuple, tuple[str, dict]] = {}
-    for pd, state, lb, fused, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
-                                                             (False, True), (False, True), BATCHES, HEADS):
+    # cursors: "row" (the op's per-row cursors), "fused" (the pool's table with the fused advance), "table" (the
+    # pool's table, the other layers of a step)
+    for pd, state, lb, cursors, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
+                                                               (False, True), ("row", "fused", "table"), BATCHES,
+                                                               HEADS):
         sname = "fp32" if state == torch.float32 else "bf16"
+        fused = cursors == "fused"
         plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
-                          lower_bound=-5.0 if lb else None, advance=fused)
+                          lower_bound=-5.0 if lb else None, advance=fused, cursor_table=cursors != "row")
         # the plan's switches that decide the compiled code (vector tiles and the pre-decayed mode follow from them)
         kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
-                pd, fused)
+                pd, cursors)
         if kind in kinds:
             continue
         readers = plan.advance_readers
         name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
-                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}")
+                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' table' if cursors == 'table' else ''}")
         kinds[kind] = (name, dict(plan=plan, state=sname))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked

@@ -1,0 +1,129 @@
+"""One layer's pool decode step on a GPU, graph-captured and averaged over a full ring cycle.
+
+Times ``pool.decode`` + ``pool.advance`` (or, with ``--fused``, ``pool.decode(..., advance=True)``) for one layer as
+an engine runs it: each graph holds one full cursor cycle (L steps, the last one flushes) of one slot set, and the
+replays rotate over enough disjoint slot sets that the state streams from HBM (8x the L2). us/step = median replay
+time / L. It uses only the pool's public API, so the same script times any version of the library on the path:
+an A/B of a kernel change runs it twice, once with the old checkout first on PYTHONPATH.
+
+    python benchmarks/bench_pool_step.py --out step.json                  # the standard shapes
+    python benchmarks/bench_pool_step.py --shapes 8x1,32x128 --state bf16 --fused --out step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+
+STANDARD = "8x1,32x1,8x8,32x8,8x32,32x32,8x128,32x128,8x512,32x512"  # HVxB
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--shapes", default=STANDARD, help="comma-separated HVxB (H = HV, K = V = 128)")
+    p.add_argument("--state", default="bf16,fp32", help="checkpoint dtypes, comma-separated")
+    p.add_argument("--layout", default="predecayed", help="the pool's ring_layout")
+    p.add_argument("--ring-length", type=int, default=16)
+    p.add_argument("--fused", action="store_true", help="the advance fused into the decode (else decode + advance)")
+    p.add_argument("--both", action="store_true", help="time both forms")
+    p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
+    p.add_argument("--out", default=None, help="JSON file for the rows")
+    return p.parse_args(argv)
+
+
+def time_shape(hv: int, batch: int, state: str, layout: str, L: int, fused: bool, reps: int) -> dict:
+    import torch
+
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool
+
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[state]
+    dev = torch.device("cuda", torch.cuda.current_device())
+    K = V = 128
+    state_bytes = hv * V * K * dt.itemsize
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    sets = max(2, min(64, -(-8 * l2 // (batch * state_bytes))))
+    heads = KDAHeads(hv, hv, K, V)
+    pool = ReplaySSMStatePool(heads, num_layers=1, num_slots=sets * batch, ring_length=L, state_dtype=dt,
+                              ring_layout=layout, device=dev)
+    ids = pool.alloc(sets * batch)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    pool.checkpoint.normal_(0, 0.05, generator=gen)
+    width = 2 * hv * K + hv * V
+    x = (torch.randn(batch, width, device=dev, generator=gen) * 0.5).bfloat16()
+    a = torch.randn(batch, hv * K, device=dev, generator=gen).bfloat16()
+    b = torch.randn(batch, hv, device=dev, generator=gen).bfloat16()
+    A_log = torch.empty(hv, device=dev).uniform_(-1, 0.5, generator=gen)
+    dt_bias = torch.empty(hv * K, device=dev).uniform_(-4, 0, generator=gen)
+    out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device=dev)
+    slot_sets = [ids[i * batch:(i + 1) * batch].clone() for i in range(sets)]
+
+    def step(slots: torch.Tensor) -> None:
+        pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=fused)
+        if not fused:
+            pool.advance(slots)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles, records the direct launches, a full cycle per set
+        for s in slot_sets:
+            for _ in range(L):
+                step(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graphs = []
+    for s in slot_sets:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(L):
+                step(s)
+        graphs.append(g)
+    for g in graphs:  # one cycle each: the cursors are back where capture left them
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for g in graphs:
+            g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (len(graphs) * L))
+    pool.check() if hasattr(pool, "check") else None
+    return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, fused=fused, sets=sets,
+                us_per_step=statistics.median(times), us_min=min(times))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    import tp_replayssm
+
+    rows = []
+    meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), package=tp_replayssm.__file__,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])
+    forms = (False, True) if args.both else (args.fused,)
+    for state in args.state.split(","):
+        for shape in args.shapes.split(","):
+            hv, batch = (int(v) for v in shape.split("x"))
+            for fused in forms:
+                t0 = time.time()
+                row = time_shape(hv, batch, state, args.layout, args.ring_length, fused, args.reps)
+                rows.append(row)
+                print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {'fused' if fused else 'decode+advance'}: "
+                      f"{row['us_per_step']:8.2f} us/step (min {row['us_min']:.2f}; {row['sets']} sets; "
+                      f"{time.time() - t0:.0f} s)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
