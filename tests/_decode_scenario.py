@@ -1,19 +1,25 @@
 """A multi-step decode scenario: one op (kernel or reference) against the reference and the float64
 plain recurrence, with NaN-poisoned outputs, NaN-filled unread ring entries, 1e30 sentinels in every
 unused slot and random per-row forced flushes. Used by the CPU (interpreter) and GPU op tests; also
-:func:`record_kernel_args`, which records what reached the kernel."""
+:func:`planned_op`, the op with an edited launch plan, and :func:`record_kernel_args`, which records what
+reached the kernel."""
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 
-from tp_replayssm import kernel, ops, reference
+from tp_replayssm import reference
+from tp_replayssm.kernels import launch
+from tp_replayssm.kernels.decode import replayssm_decode_kernel
+from tp_replayssm.kernels.direct import LaunchArgs
+from tp_replayssm.kernels.plan import DecodePlan
 from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err
+from tp_replayssm.validation import DecodeCall, validate_decode
 
 SENTINEL = 1e30
 OUT_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -42,10 +48,14 @@ class Scenario:
     flush_prob: float = 0.2
     seed: int = 0
     device: str = "cpu"
-    # the pre-decayed ring layout (ops/reference.replayssm_decode_predecayed)
+    # the pre-decayed ring layout (ring_layout="predecayed"), else SGLang's
     predecayed: bool = False
     # added to every head's A_log: gates exp(shift) times stronger (pre-decayed rebases need G below -80)
     A_log_shift: float = 0.0
+
+    @property
+    def ring_layout(self) -> str:
+        return "predecayed" if self.predecayed else "sglang"
 
 
 def kimi_scenario(H: int, HV: int, B: int, state_dtype: torch.dtype, device: str = "cuda") -> Scenario:
@@ -74,7 +84,8 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, sc: Scenario) -> torch.Te
 
 
 def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
-    """Run ``sc.steps`` decode steps with ``op``; assert every invariant; return the worst errors."""
+    """Run ``sc.steps`` decode steps with ``op`` (the op's signature, called with ``ring_layout=``); assert every
+    invariant; return the worst errors."""
     gen = torch.Generator().manual_seed(sc.seed)
     dev = torch.device(sc.device)
     params = random_head_params(sc.HV, sc.K, device=dev, generator=gen)
@@ -106,7 +117,6 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
     cursor = torch.zeros(sc.B, dtype=torch.int32, device=dev)
     pad = slots < 0
     worst = Worst()
-    ref_op = reference.replayssm_decode_predecayed if sc.predecayed else reference.replayssm_decode
 
     for _ in range(sc.steps):
         inp = random_decode_inputs(sc.B, sc.H, sc.HV, sc.K, sc.V, dtype=sc.act_dtype, device=dev, generator=gen)
@@ -123,8 +133,8 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
         ref_caches = [t.clone() for t in caches]
         args = (inp.mixed_qkv, a, inp.b, params.A_log, dt_bias, None)
         tail = (slots, cursor, force, sc.l2norm, sc.lower_bound)
-        result = op(*args, *caches, out, *tail)
-        ref_op(*args, *ref_caches, ref_out, *tail)
+        result = op(*args, *caches, out, *tail, ring_layout=sc.ring_layout)
+        reference.replayssm_decode(*args, *ref_caches, ref_out, *tail, ring_layout=sc.ring_layout)
         expected = oracle.step(inp, params, slots.cpu(), use_qk_l2norm=sc.l2norm, lower_bound=sc.lower_bound)
 
         assert result[0] is out and result[1] is state, "op must return (out, initial_state) in place"
@@ -161,15 +171,34 @@ def run_scenario(sc: Scenario, op: Callable[..., object]) -> Worst:
     return worst
 
 
-def record_kernel_args(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple]:
-    """A list that gets, for every launch, the kernel arguments ``names`` as ``ops.kernel_args`` built them."""
-    params = list(inspect.signature(kernel.replayssm_decode_kernel).parameters)
-    at, built_by, seen = [params.index(n) for n in names], ops.kernel_args, []
+def planned_op(edit: Callable[[DecodePlan], DecodePlan] | None = None,
+               **changes: object) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The op (``ops.replayssm_decode``'s signature) launching the library's plan for each call edited by ``edit``
+    and then ``dataclasses.replace(plan, **changes)``, through ``run_decode(..., plan=)``: how a test puts the kernel
+    on a path the library would not choose for its shape (``DecodePlan.check`` still vets the edited plan)."""
 
-    def recording(*args: object) -> tuple:
-        built = built_by(*args)
-        seen.append(tuple(built[i] for i in at))
+    def op(*args: object, ring_layout: str = "sglang") -> tuple[torch.Tensor, torch.Tensor]:
+        call = DecodeCall(*args)
+        dims = validate_decode(call, ring_layout=ring_layout)
+        plan = launch.plan_for(call, dims, ring_layout=ring_layout, cursor_table=False, advance=False)
+        if edit is not None:
+            plan = edit(plan)
+        launch.run_decode(call, ring_layout=ring_layout, plan=dataclasses.replace(plan, **changes))
+        return call.out, call.initial_state
+
+    return op
+
+
+def record_kernel_args(monkeypatch: pytest.MonkeyPatch, *names: str) -> list[tuple]:
+    """A list that gets, for every launch, the kernel arguments ``names`` (parameter names of
+    :func:`replayssm_decode_kernel`) as ``decode_kernel_args`` built them."""
+    params = list(inspect.signature(replayssm_decode_kernel).parameters)
+    at, built_by, seen = [params.index(n) for n in names], launch.decode_kernel_args, []
+
+    def recording(*args: object, **kwargs: object) -> LaunchArgs:
+        built = built_by(*args, **kwargs)
+        seen.append(tuple(built.values[i] for i in at))
         return built
 
-    monkeypatch.setattr(ops, "kernel_args", recording)
+    monkeypatch.setattr(launch, "decode_kernel_args", recording)
     return seen

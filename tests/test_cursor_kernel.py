@@ -1,8 +1,9 @@
-"""The one-launch cursor advance (:mod:`tp_replayssm.cursor_kernel`) against the torch ops and a host model.
+"""The one-launch cursor advance (:mod:`tp_replayssm.kernels.cursor`) against the torch ops and a host model.
 
 The kernel is called directly on ``DEV`` tensors: on a machine without CUDA that is the CPU and the
-kernel runs in the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``; a CPU pool itself
-always takes the torch path); one program covers the whole batch, so each case costs milliseconds. The
+kernel runs in the Triton interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1``; the kernel tests take the
+``interpreter`` fixture; a CPU pool itself always takes the torch path); one program covers the whole batch, so
+each case costs milliseconds. The
 ``gpu`` tests run ``pool.advance`` on CUDA, eagerly and inside a captured CUDA graph, against the torch
 path on a CPU copy.
 """
@@ -14,13 +15,16 @@ import random
 import pytest
 import torch
 
-from tp_replayssm import KDAHeads, ReplaySSMStatePool, cursor_kernel
+from tp_replayssm import KDAHeads, ReplaySSMStatePool
+from tp_replayssm.kernels import cursor as cursor_kernel
+from tp_replayssm.kernels.launch import no_flush
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 SENTINEL = 1000  # cursor of slots no row lists: must come back unchanged
 
 
-def random_case(rng: random.Random, B: int, L: int, num_slots: int, with_flags: bool):
+def random_case(rng: random.Random, B: int, L: int, num_slots: int,
+                with_flags: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(cursors [S+1], slots [B], force_flush [B] or None)`` int32 on the CPU: listed slots (and the
     scratch entry) hold cursors in ``[0, L-1]``, unlisted ones ``SENTINEL``; ~1/5 padding rows, duplicates
     whenever ``B`` exceeds the slots, flags mixed within a duplicated slot's rows."""
@@ -47,7 +51,7 @@ def host_model(cursors: list[int], slots: list[int], flags: list[int] | None, L:
 
 
 @pytest.mark.parametrize("B", [1, 3, 64, 300])
-def test_kernel_matches_torch_ops_and_model(B: int) -> None:
+def test_kernel_matches_torch_ops_and_model(B: int, interpreter: None) -> None:
     rng = random.Random(B)
     hits = cursor_kernel.DIRECT_PLANS.hits
     for L in (1, 2, 5, 16):
@@ -68,13 +72,13 @@ def test_kernel_matches_torch_ops_and_model(B: int) -> None:
                 if not (slots < 0).any():
                     assert got[num_slots] == cursors[num_slots], case  # scratch untouched without padding
                 # force_flush (given or the cached zeros for None) is read, never written
-                read = cursor_kernel._no_flush(B, DEV) if flags is None else flags_dev
+                read = no_flush(B, DEV) if flags is None else flags_dev
                 assert torch.equal(read.cpu(), torch.zeros(B, dtype=torch.int32) if flags is None else flags), case
     if DEV.type == "cuda":  # cases of one metadata after the first launched the compiled kernel directly
         assert cursor_kernel.DIRECT_PLANS.hits > hits
 
 
-def test_duplicates_resolve_to_zero_if_any_row_flushed() -> None:
+def test_duplicates_resolve_to_zero_if_any_row_flushed(interpreter: None) -> None:
     cursors = torch.tensor([2, 2, 4, 0, 7], dtype=torch.int32, device=DEV)  # S = 4, L = 5, scratch = 7
     slots = torch.tensor([0, 0, 1, 1, 2, -1, -2, 0], dtype=torch.int32, device=DEV)
     flags = torch.tensor([0, 0, 0, 0, 0, 0, 0, 3], dtype=torch.int32, device=DEV)
@@ -84,8 +88,8 @@ def test_duplicates_resolve_to_zero_if_any_row_flushed() -> None:
 
 
 def test_no_flush_flags_cached_and_zero() -> None:
-    a = cursor_kernel._no_flush(7, torch.device("cpu"))
-    assert a is cursor_kernel._no_flush(7, torch.device("cpu"))
+    a = no_flush(7, torch.device("cpu"))
+    assert a is no_flush(7, torch.device("cpu"))
     assert a.dtype == torch.int32 and a.shape == (7,) and not a.any()
 
 
@@ -112,7 +116,7 @@ def test_generated_code_has_one_program_and_the_barriers() -> None:
     assert f"_BLOCK_SIZE_0 = tl.constexpr({block})" in code and f"num_warps={warps}" in code
 
 
-def test_cpu_pool_takes_the_torch_path(monkeypatch) -> None:  # noqa: ANN001
+def test_cpu_pool_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     pool = ReplaySSMStatePool(KDAHeads(1, 2, 4, 4), num_layers=1, num_slots=3, ring_length=3, device="cpu")
     pool.alloc(3)
     monkeypatch.setattr(cursor_kernel, "advance_launch", lambda *a: pytest.fail("kernel launched for a CPU pool"))

@@ -1,27 +1,28 @@
-"""Register budget of the pinned GPU launch choices, checked on CPU by compiling for sm_90.
+"""Register budget of the library's GPU launch plans, checked on CPU by compiling for sm_90.
 
-The decode kernel is latency-bound (benchmarks/RESULTS.md): every register per thread costs resident
+The decode kernel is latency-bound (docs/tuning.md): every register per thread costs resident
 programs per SM. Version 1 of the single-pass kernel put a matrix product in the flush path and paid
 ~95 registers per thread on every program, flushing or not. This test compiles the kernel for sm_90
-(ptxas from the triton wheel, no GPU) at each pinned choice and fails on spills or, for programs of
-several warps, on more than 168 registers per thread (fewer than 3 resident CTAs of 4 warps).
+(ptxas from the triton wheel, no GPU) with each plan (``benchmarks/plan_args.build_plan``,
+``benchmarks/kernel_regs.kernel_resources``) and fails on spills or, for programs of several warps, on more than
+168 registers per thread (fewer than 3 resident CTAs of 4 warps).
 
 It compiles with the H200's compiler, triton 3.6.0, which ``dev.sh`` installs beside the environment
 (``TP_REPLAYSSM_TRITON_H200``): register allocation differs between Triton versions far more than the
 kernel's changes do. The capped pre-decayed program with the rebase as a pass of its own has 5 spill
 operations on its every-step path with triton 3.6 and 128 with 3.9; through the flush branch, 24 and 10.
-The H200 timed the pass 2.5-6.6% faster (sixteenth session), as 3.6's counts predicted.
+The H200 timed the pass 2.5-6.6% faster (docs/tuning.md), as 3.6's counts predicted.
 
-The one-warp choices (128+ row-head pairs) run at 223-255 registers by design: their 16-row chunks sit
+The one-warp plans (128+ row-head pairs) run at 223-255 registers by design: their 16-row chunks sit
 just under the limit (32 rows spill), so the lower-bound gate path is checked too. Their flush loop
 (tensor-core ring product) may spill a few registers (up to 16 B of stack with ``[Vc, K]`` chunk tiles; 48 B in the
-pre-decayed program over a 16-row tile with the fused cursor advance, nineteenth session, and 32 B with the append
-loop's vector tiles, twenty-first); the every-step path, which ptxas lays out first (up to the first ``EXIT``), must
-have no spill load or store. A bf16 checkpoint on
-large grids (here 4096 pairs) runs the tensor-core chunks under a 168-register cap (12 programs per SM),
-where the flush path spills more (the SPEC layout 160 B, the pre-decayed one 336-344 B) and the every-step
-path of the SPEC layout 9 spill stores ahead of the chunk loop. The pre-decayed layout's rebase writes (mode
-2) sit before the flush loop: written after it, their addresses spilled 120 B in the one-warp program.
+pre-decayed program over a 16-row tile with the fused cursor advance, and 32 B with the append loop's vector tiles);
+the every-step path, which ptxas lays out first (up to the first ``EXIT``), must have no spill load or store. A bf16
+checkpoint on large grids (here 4096 pairs) runs the tensor-core chunks under a 168-register cap (12 programs per SM),
+where the flush path spills more (the sglang layout 160 B, the pre-decayed one 336-344 B) and the every-step
+path of the sglang layout 9 spill stores ahead of the chunk loop. The pre-decayed layout's rebase writes
+(``predecayed_ring`` 2) sit before the flush loop: written after it, their addresses spilled 120 B in the one-warp
+program.
 """
 
 from __future__ import annotations
@@ -38,36 +39,31 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
-import json, torch
-from tp_replayssm._validation import DecodeDims
-from tp_replayssm.configs import select_config, tiny_batch
-from tp_replayssm.ops import cursor_readers
+import json
 from benchmarks.kernel_regs import kernel_resources
-out = []
+from benchmarks.plan_args import build_plan
 from benchmarks.sass_loops import parse
-for batch, hv, state, lb, pd in ((512, 32, torch.float32, False, False), (512, 32, torch.bfloat16, False, False),
-                                 (512, 32, torch.float32, True, False), (128, 8, torch.bfloat16, False, False),
-                                 (8, 32, torch.float32, False, False), (8, 8, torch.float32, False, False),
-                                 (1, 8, torch.float32, False, False), (512, 32, torch.float32, False, True),
-                                 (512, 32, torch.bfloat16, False, True), (8, 16, torch.bfloat16, False, True),
-                                 (8, 16, torch.float32, True, True), (128, 12, torch.float32, False, False),
-                                 (128, 12, torch.float32, False, True), (8, 16, torch.bfloat16, False, "fused"),
-                                 (512, 32, torch.bfloat16, False, "fused"), (8, 16, torch.bfloat16, False, False)):
-    dims = DecodeDims(batch, hv, hv, 128, 128, 16, batch)
-    config, chunk, maxnreg, mma = select_config(dims, state, torch.device("cuda", 0), predecayed=bool(pd))
-    fused = cursor_readers(dims, config) if pd == "fused" else 0  # the pre-decayed kernel with the fused advance
-    r = kernel_resources(config, chunk, "fp32" if state == torch.float32 else "bf16", lower_bound=lb,
-                         tiny=tiny_batch(dims), maxnreg=maxnreg, with_sass=True, mma_chunks=mma, predecayed=bool(pd),
-                         advance_cursors=fused)
+out = []
+for batch, hv, state, lb, pd in ((512, 32, "fp32", False, False), (512, 32, "bf16", False, False),
+                                 (512, 32, "fp32", True, False), (128, 8, "bf16", False, False),
+                                 (8, 32, "fp32", False, False), (8, 8, "fp32", False, False),
+                                 (1, 8, "fp32", False, False), (512, 32, "fp32", False, True),
+                                 (512, 32, "bf16", False, True), (8, 16, "bf16", False, True),
+                                 (8, 16, "fp32", True, True), (128, 12, "fp32", False, False),
+                                 (128, 12, "fp32", False, True), (8, 16, "bf16", False, "fused"),
+                                 (512, 32, "bf16", False, "fused"), (8, 16, "bf16", False, False)):
+    plan = build_plan(batch=batch, heads=hv, state=state, layout="predecayed" if pd else "sglang",
+                      lower_bound=-5.0 if lb else None, advance=pd == "fused")
+    r = kernel_resources(plan, state, with_sass=True)
     ins = parse(r.pop("sass"))
     first_exit = next(a for a, t in ins if t.split()[-1] == "EXIT")
     path = [(a, t) for a, t in ins if a < first_exit]
     r["spill_loads_before_exit"] = sum("LDL" in t for _, t in path)
     r["spill_stores_before_exit"] = sum("STL" in t for _, t in path)
     r["spill_ops"] = sum(("STL" in t or "LDL" in t) for _, t in ins)
-    out.append(dict(batch=batch, hv=hv, state=str(state), lower_bound=lb, predecayed=bool(pd), fused=fused,
-                    vt=config.config["block_sizes"][0],
-                    vc=chunk, warps=config.config["num_warps"], maxnreg=maxnreg, mma=mma, **r))
+    out.append(dict(batch=batch, hv=hv, state=state, lower_bound=lb, predecayed=bool(pd), fused=plan.advance_readers,
+                    vt=plan.value_tile, vc=plan.value_chunk, warps=plan.num_warps, maxnreg=plan.maxnreg,
+                    mma=plan.tensor_core_chunks, **r))
 import triton
 print("RESULT " + json.dumps(dict(triton=triton.__version__, rows=out)))
 """
@@ -88,7 +84,7 @@ def _run_with_h200_triton(script: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
+def test_library_plans_fit_the_register_budget_on_sm90() -> None:
     found = _run_with_h200_triton(SCRIPT)
     assert found["triton"] == "3.6.0", found["triton"]
     results = found["rows"]
@@ -108,69 +104,65 @@ def test_pinned_choices_fit_the_register_budget_on_sm90() -> None:
         assert (r["stack"] == 0) == (r["spill_ops"] == 0), r  # the SASS count sees what ptxas reports
         assert 0 < r["regs"] <= (r["maxnreg"] or (255 if r["warps"] == 1 else 168)), f"over the register budget: {r}"
     assert results[1]["maxnreg"] == 168 and results[3]["maxnreg"] is None and results[8]["maxnreg"] == 168
-    # the rebase check's kernel (pre-decayed, softplus gate) under the cap (ops.predecayed_mode 3): its rebase is
+    # the rebase check's kernel (pre-decayed, softplus gate) under the cap (predecayed_ring 3): its rebase is
     # a pass of its own, so the every-step path keeps (nearly) all its values in registers; through the flush
     # branch (mode 2, a data-dependent choice of loop) it had 24 spill operations there (triton 3.6; 5 now)
     every_step = results[8]["spill_loads_before_exit"] + results[8]["spill_stores_before_exit"]
     assert every_step <= 8, results[8]
     # fp32 programs that the cap fits into one wave (HV12 B128) run 8-row chunks under it: the pre-decayed one
-    # spill-free, the SPEC one with a few spill operations (16-row chunks: 352-400 B of stack)
+    # spill-free, the sglang one with a few spill operations (16-row chunks: 352-400 B of stack)
     assert [(r["maxnreg"], r["vc"]) for r in results[11:13]] == [(168, 8), (168, 8)]
     assert results[12]["stack"] == 0 and results[11]["stack"] <= 64, results[11:13]
-    # the SPEC layout's capped program: spill stores ahead of the chunk loop only, no spill load
+    # the sglang layout's capped program: spill stores ahead of the chunk loop only, no spill load
     assert results[1]["spill_loads_before_exit"] == 0 and results[1]["spill_stores_before_exit"] <= 9, results[1]
     # the fused cursor advance (decode(..., advance=True)): the uncapped program as spill-free on the every-step path
     # as without it (above); the capped one at the stack limit, 19 every-step spill operations against 5 without it
-    # (triton 3.6), yet not slower on the H200 (HV32 B512 bf16: 220.5 against 224.3 us, seventeenth session)
+    # (triton 3.6), yet not slower on the H200 (HV32 B512 bf16: 220.5 against 224.3 us, docs/tuning.md)
     assert [r["fused"] for r in results[13:15]] == [128, 32] and results[14]["maxnreg"] == 168, results[13:15]
-    # 128 pairs in 16-row tiles: pre-decayed (bf16 and fused), and the SPEC layout's bf16 checkpoint
+    # 128 pairs in 16-row tiles: pre-decayed (bf16 and fused), and the sglang layout's bf16 checkpoint
     assert [(r["vt"], r["vc"]) for r in (results[9], results[13], results[15])] == [(16, 16)] * 3
     assert results[14]["spill_loads_before_exit"] + results[14]["spill_stores_before_exit"] <= 24, results[14]
 
 
 @pytest.mark.timeout(120)
-def test_command_line_compiles_with_forced_vector_tiles() -> None:
-    """``kernel_regs.py --vector-tiles N`` compiles the kernel with its ``vector_tiles`` forced (RESULTS.md's key-tile
-    counts at 64:16:1, where the library's rule gives 1) and says which value it compiled."""
+def test_command_line_compiles_with_an_edited_plan() -> None:
+    """``kernel_regs.py --override vector_tiles=2`` compiles the library's plan with that field edited (docs/tuning.md's
+    key-tile counts at 64:16:1, HV4 B128 bf16 pre-decayed, where the library's rule gives 1) and prints the plan it
+    compiled."""
     h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
     assert Path(h200, "triton").is_dir(), "the H200's triton 3.6.0 is missing: run the tests through ./dev.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
-    cmd = [sys.executable, "benchmarks/kernel_regs.py", "--vt", "64", "--vc", "16", "--warps", "1", "--state", "bf16",
-           "--predecayed", "--vector-tiles", "2"]
+    cmd = [sys.executable, "benchmarks/kernel_regs.py", "--batch", "128", "--heads", "4", "--state", "bf16",
+           "--layout", "predecayed", "--override", "vector_tiles=2"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "triton 3.6.0, vt=64 vc=16 warps=1" in proc.stdout and "vector_tiles=2:" in proc.stdout, proc.stdout
+    assert "triton 3.6.0, DecodePlan(value_tile=64, value_chunk=16, num_warps=1," in proc.stdout, proc.stdout
+    assert "vector_tiles=2," in proc.stdout, proc.stdout
     assert re.search(r": (\d+) registers/thread", proc.stdout).group(1) != "0", proc.stdout
 
 
 FLOAT_OPS_SCRIPT = """
-import json, re, torch
-from tp_replayssm._validation import DecodeDims
-from tp_replayssm.configs import select_config
-from tp_replayssm.ops import cursor_readers
+import json, re
 from benchmarks.kernel_regs import kernel_resources
-dims = DecodeDims(8, 16, 16, 128, 128, 16, 8)
-config, chunk, maxnreg, mma = select_config(dims, torch.bfloat16, torch.device("cuda", 0), predecayed=True)
-readers = cursor_readers(dims, config)
+from benchmarks.plan_args import build_plan
 ops = {}
-for name, advance, late in (("decode", 0, False), ("count-is-read", readers, False), ("count-after-loads", readers, True)):
-    ptx = kernel_resources(config, chunk, "bf16", maxnreg=maxnreg, predecayed=True, advance_cursors=advance,
-                           count_after_loads=late, with_ptx=True)["ptx"]
-    ops[name] = re.findall(r"^\\s*((?:fma|mul|add|sub|neg|ex2|lg2|rcp|rsqrt|sqrt|div|max|min)\\.[\\w.]*f32)\\b", ptx, re.M)
-print("RESULT " + json.dumps(dict(vt=config.config["block_sizes"][0], vc=chunk, readers=readers, ops=ops)))
+for name, advance in (("decode", False), ("fused-advance", True)):
+    plan = build_plan(batch=8, heads=16, state="bf16", layout="predecayed", advance=advance)
+    ptx = kernel_resources(plan, "bf16", with_ptx=True)["ptx"]
+    float_op = r"^\\s*((?:fma|mul|add|sub|neg|ex2|lg2|rcp|rsqrt|sqrt|div|max|min)\\.[\\w.]*f32)\\b"
+    ops[name] = re.findall(float_op, ptx, re.M)
+print("RESULT " + json.dumps(dict(vt=plan.value_tile, vc=plan.value_chunk, readers=plan.advance_readers, ops=ops)))
 """
 
 
 @pytest.mark.timeout(300)
 def test_fused_advance_keeps_the_decodes_float_operations() -> None:
     """The fused advance adds integer work only: its kernel (pre-decayed, softplus gate, HV16 B8 bf16: 16:16:1, 128
-    readers per row) has the same sequence of f32 operations in its sm_90 PTX as the decode without it, with either
-    place of the count (``configs.count_after_loads``); the pool's tests rely on bit-identical results. The late
-    count's store under an ``if`` broke this (4 products no longer fused into their sums, twenty-third session:
-    the GPU tests of the pre-decayed layout failed)."""
+    readers per row) has the same sequence of f32 operations in its sm_90 PTX as the decode without it; the pool's
+    tests rely on bit-identical results. A cursor store under an ``if`` once broke this (products no longer fused
+    into their sums; the GPU tests of the pre-decayed layout failed)."""
     found = _run_with_h200_triton(FLOAT_OPS_SCRIPT)
     assert (found["vt"], found["vc"], found["readers"]) == (16, 16, 128), found
     ops = found["ops"]
     assert len(ops["decode"]) > 1000 and any(op.startswith("fma") for op in ops["decode"]), len(ops["decode"])
-    for name in ("count-is-read", "count-after-loads"):
-        assert ops[name] == ops["decode"], (name, len(ops[name]), len(ops["decode"]))
+    assert ops["fused-advance"] == ops["decode"], (len(ops["fused-advance"]), len(ops["decode"]))

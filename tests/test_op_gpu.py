@@ -11,13 +11,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from tp_replayssm import configs, direct_launch, ops, reference
-from tp_replayssm._validation import DecodeDims
+from tp_replayssm import ops, reference
+from tp_replayssm.kernels import direct, launch
+from tp_replayssm.kernels.plan import DecodePlan, plan_decode, problem_of
 from tp_replayssm.testing import random_decode_inputs, random_head_params, rel_err
+from tp_replayssm.validation import DecodeDims
 from _decode_scenario import OUT_TOL, PLAIN64_TOL, Scenario, kimi_scenario, run_scenario
 
 pytestmark = pytest.mark.gpu
@@ -27,8 +30,16 @@ BATCHES = [1, 8, 64, 256]
 RESULTS: list[dict[str, object]] = []
 
 
+def _plan(dims: DecodeDims, state_dtype: torch.dtype, cache_dtype: torch.dtype = torch.bfloat16,
+          ring_layout: str = "sglang", lower_bound: float | None = None) -> DecodePlan:
+    """The library's plan of an op call of ``dims`` on this GPU."""
+    return plan_decode(problem_of(dims, state_dtype=state_dtype, cache_dtype=cache_dtype, device=torch.device("cuda"),
+                                  ring_layout=ring_layout, cursor_table=False, advance=False, use_l2norm=True,
+                                  lower_bound=lower_bound))
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _write_results():  # noqa: ANN202
+def _write_results() -> Iterator[None]:
     yield
     path = os.path.join(os.environ.get("OUT", "."), "gpu_op_errors.json")
     with open(path, "w") as f:
@@ -40,10 +51,10 @@ def _write_results():  # noqa: ANN202
 @pytest.mark.parametrize("H,HV", SHAPES, ids=[f"H{h}-HV{hv}" for h, hv in SHAPES])
 def test_kimi_shapes(H: int, HV: int, B: int, state_dtype: torch.dtype) -> None:
     sc = kimi_scenario(H, HV, B, state_dtype)
-    hits = ops.DIRECT_PLANS.hits
+    hits = launch.DIRECT_PLANS.hits
     worst = run_scenario(sc, ops.replayssm_decode)
     # every step after the first (same metadata, fresh tensors) launched the compiled kernel directly
-    assert ops.DIRECT_PLANS.hits - hits >= sc.steps - 1
+    assert launch.DIRECT_PLANS.hits - hits >= sc.steps - 1
     RESULTS.append(dict(H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.out_vs_reference <= OUT_TOL[sc.act_dtype], worst
     assert worst.out_vs_plain64 <= PLAIN64_TOL and worst.state_vs_plain64 <= PLAIN64_TOL, worst
@@ -54,9 +65,8 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
     """A bf16 checkpoint with bf16 rings at 1024+ (row, head) pairs takes the tensor-core chunks (under a
     register cap where it saves a wave: 4096 pairs, not 2048); with fp32 activations ``out`` must still match
     the reference to 2e-5."""
-    dims = DecodeDims(B, HV, HV, 128, 128, 16, B)
-    choice = configs.select_config(dims, torch.bfloat16, torch.device("cuda"))
-    assert choice.mma_chunks and (choice.maxnreg is not None) == (B * HV >= 4096)
+    plan = _plan(DecodeDims(B, HV, HV, 128, 128, 16, B), torch.bfloat16)
+    assert plan.tensor_core_chunks and (plan.maxnreg is not None) == (B * HV >= 4096)
     sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, act_dtype=torch.float32,
                   state_dtype=torch.bfloat16, steps=17, flush_prob=0.05, seed=B + HV, device="cuda")
     worst = run_scenario(sc, ops.replayssm_decode)
@@ -68,10 +78,10 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
 
 def test_fp32_register_path_under_the_one_wave_cap() -> None:
     """HV12 B128 with an fp32 checkpoint (1536 one-warp programs) runs 8-row chunks under the 168-register cap,
-    which fits the grid into one wave (``configs._capped_one_wave``); the SPEC layout's kernel there, a full cycle
+    which fits the grid into one wave (``plan._capped_one_wave``); the sglang layout's kernel there, a full cycle
     plus one step against the reference and the float64 recurrence."""
-    choice = configs.select_config(DecodeDims(128, 12, 12, 128, 128, 16, 131), torch.float32, torch.device("cuda"))
-    assert choice.maxnreg == 168 and choice.value_chunk == 8 and not choice.mma_chunks, choice
+    plan = _plan(DecodeDims(128, 12, 12, 128, 128, 16, 131), torch.float32)
+    assert plan.maxnreg == 168 and plan.value_chunk == 8 and not plan.tensor_core_chunks, plan
     sc = kimi_scenario(12, 12, 128, torch.float32)
     worst = run_scenario(sc, ops.replayssm_decode)
     RESULTS.append(dict(case="fp32-one-wave-cap-H12-HV12-B128", **vars(worst)))
@@ -87,7 +97,7 @@ PREDECAYED_SHAPES = [(16, 16, 8), (8, 8, 1), (32, 32, 32), (4, 4, 256), (16, 32,
 # the gates: KDA's bounded one at -5 (L = 16: keys up to exp(75), no rebase), the softplus one at the usual
 # strength, and softplus gates exp(4.5) times stronger (heads rebase; five shapes: tiny, one-warp with 16-row and
 # 64-row tiles, MMA chunks, and MMA chunks under the register cap, where the rebase is a pass of its own:
-# ops.predecayed_mode 3)
+# predecayed_ring 3)
 PREDECAYED_CASES = ([(h, hv, b, gate) for h, hv, b in PREDECAYED_SHAPES for gate in ("bounded", "softplus")]
                     + [(h, hv, b, "rebasing") for h, hv, b in PREDECAYED_SHAPES if b in (1, 32, 256, 128)])
 
@@ -103,9 +113,10 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
     sc = dataclasses.replace(kimi_scenario(H, HV, B, state_dtype), predecayed=True,
                              lower_bound=-5.0 if gate == "bounded" else None,
                              A_log_shift=4.5 if gate == "rebasing" else 0.0)
-    capped = configs.select_config(DecodeDims(B, H, HV, 128, 128, 16, sc.S), state_dtype, torch.device("cuda")).maxnreg
-    assert (capped is not None) == (B * HV == 1536)  # the shapes cover the cap (both states at 1536 programs)
-    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    plan = _plan(DecodeDims(B, H, HV, 128, 128, 16, sc.S), state_dtype, ring_layout="predecayed",
+                 lower_bound=sc.lower_bound)
+    assert (plan.maxnreg is not None) == (B * HV == 1536)  # the shapes cover the cap (both states at 1536 programs)
+    worst = run_scenario(sc, ops.replayssm_decode)
     RESULTS.append(dict(case=f"predecayed-{gate}", H=H, HV=HV, B=B, state=str(state_dtype), **vars(worst)))
     assert worst.flushes > 0 and worst.appends > 0
     if gate != "softplus":  # (the usual softplus gate may or may not rebase: the data decides)
@@ -118,13 +129,12 @@ def test_predecayed_layout_at_kimi_shapes(H: int, HV: int, B: int, gate: str, st
 def test_predecayed_fp32_ring_rebases(B: int, HV: int, warps: int) -> None:
     """fp32 rings (the flush's ring replay as rank-1 updates) with heads rebasing, in a four-warp (the tiny-batch
     path's) and a one-warp program: a rebase zeroes the deltas the replay has just read, behind a CTA barrier."""
-    choice = configs.select_config(DecodeDims(B, HV, HV, 128, 128, 16, B + 3), torch.float32, torch.device("cuda"),
-                                   torch.float32, predecayed=True)
-    assert choice.config.config["num_warps"] == warps, choice
+    plan = _plan(DecodeDims(B, HV, HV, 128, 128, 16, B + 3), torch.float32, torch.float32, ring_layout="predecayed")
+    assert plan.num_warps == warps, plan
     sc = Scenario(B=B, H=HV, HV=HV, K=128, V=128, L=16, S=B + 3, act_dtype=torch.float32, cache_dtype=torch.float32,
                   steps=17, pad_rows=1 if B > 1 else 0, flush_prob=0.05, predecayed=True, A_log_shift=4.5,
                   seed=B + HV, device="cuda")
-    worst = run_scenario(sc, ops.replayssm_decode_predecayed)
+    worst = run_scenario(sc, ops.replayssm_decode)
     RESULTS.append(dict(case=f"predecayed-fp32ring-rebasing-B{B}-HV{HV}", **vars(worst)))
     assert worst.rebases > 0 and worst.flushes > 0, worst
     assert worst.out_vs_reference <= OUT_TOL[torch.float32], worst
@@ -148,7 +158,7 @@ def test_launches_on_the_tensors_device_not_the_current_one() -> None:
 
 
 def _one_step(seed: int, *, B: int = 8, H: int = 8, HV: int = 8, K: int = 128, V: int = 128, L: int = 16,
-              column_offset: int = 0):  # noqa: ANN202
+              column_offset: int = 0) -> tuple:
     """Inputs of one step on cuda: random checkpoints and rings, cursors spread over every phase (some
     rows flush), one padding row; ``mixed_qkv`` starts ``column_offset`` elements into its buffer."""
     gen = torch.Generator().manual_seed(seed)
@@ -172,7 +182,8 @@ def _one_step(seed: int, *, B: int = 8, H: int = 8, HV: int = 8, K: int = 128, V
             slots.cuda(), cursors.cuda())
 
 
-def _run(op, step, scale: float | None, lower_bound: float | None = None):  # noqa: ANN001, ANN202
+def _run(op: Callable[..., object], step: tuple, scale: float | None,
+         lower_bound: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     acts, caches, out, slots, cursors = step
     caches = [t.clone() for t in caches]
     out = out.clone()
@@ -184,12 +195,12 @@ def _run(op, step, scale: float | None, lower_bound: float | None = None):  # no
 def test_direct_launch_is_bit_identical_to_helion_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     step = _one_step(1)
     _run(ops.replayssm_decode, _one_step(2), None)  # records the plan of this metadata
-    hits = ops.DIRECT_PLANS.hits
+    hits = launch.DIRECT_PLANS.hits
     direct_out, direct_caches = _run(ops.replayssm_decode, step, None)
-    assert ops.DIRECT_PLANS.hits == hits + 1
-    monkeypatch.setattr(direct_launch, "ENABLED", False)
+    assert launch.DIRECT_PLANS.hits == hits + 1
+    monkeypatch.setattr(direct, "ENABLED", False)
     helion_out, helion_caches = _run(ops.replayssm_decode, step, None)
-    assert ops.DIRECT_PLANS.hits == hits + 1
+    assert launch.DIRECT_PLANS.hits == hits + 1
     assert torch.equal(direct_out, helion_out)
     for got, want in zip(direct_caches, helion_caches):
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
@@ -201,10 +212,10 @@ def test_direct_launch_follows_scale_lower_bound_and_alignment(column_offset: in
     # lower_bound is a new key (Helion may bake it into the code)
     for seed, scale, lower_bound in ((3, None, None), (4, 0.3, None), (5, 0.05, -5.0), (6, 0.3, -2.0)):
         step = _one_step(seed, column_offset=column_offset)
-        hits = ops.DIRECT_PLANS.hits
+        hits = launch.DIRECT_PLANS.hits
         out, caches = _run(ops.replayssm_decode, step, scale, lower_bound)
         if seed == 4:
-            assert ops.DIRECT_PLANS.hits == hits + 1
+            assert launch.DIRECT_PLANS.hits == hits + 1
         ref_out, ref_caches = _run(reference.replayssm_decode, step, scale, lower_bound)
         pad = step[3] < 0
         assert (out[pad] == 0).all() and torch.isfinite(out).all()

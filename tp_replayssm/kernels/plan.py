@@ -143,6 +143,9 @@ class DecodePlan:
                              f"for value tiles of {self.value_tile} rows; got {self.advance_readers}")
         if self.vector_tiles and self.tensor_core_chunks:
             raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
+        if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
+            raise ValueError(f"DecodePlan: `vector_tiles` {self.vector_tiles} needs a power-of-two key dim; got "
+                             f"K={problem.key_dim}")
 
 
 def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0) -> helion.Config:
