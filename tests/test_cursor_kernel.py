@@ -10,6 +10,7 @@ path on a CPU copy.
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from tp_replayssm import KDAHeads, ReplaySSMStatePool
 from tp_replayssm.kernels import cursor as cursor_kernel
 from tp_replayssm.kernels.launch import no_flush
+from tp_replayssm.pool.slots import ERROR_WORDS, FREE_CURSOR, RECORDED_ROWS, SlotGuard, call_code
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 SENTINEL = 1000  # cursor of slots no row lists: must come back unchanged
@@ -26,28 +28,44 @@ SENTINEL = 1000  # cursor of slots no row lists: must come back unchanged
 def random_case(rng: random.Random, B: int, L: int, num_slots: int,
                 with_flags: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(cursors [S+1], slots [B], force_flush [B] or None)`` int32 on the CPU: listed slots (and the
-    scratch entry) hold cursors in ``[0, L-1]``, unlisted ones ``SENTINEL``; ~1/5 padding rows, duplicates
-    whenever ``B`` exceeds the slots, flags mixed within a duplicated slot's rows."""
-    slots = [rng.choice([-1, -5]) if rng.random() < 0.2 else rng.randrange(num_slots) for _ in range(B)]
+    scratch entry) hold cursors in ``[0, L-1]`` (~1/8 of them free: ``FREE_CURSOR``), unlisted ones ``SENTINEL``;
+    ~1/5 padding rows, ~1/10 slots out of range, repeated slots whenever ``B`` exceeds the slots."""
+    slots = [rng.choice([-1, -5]) if rng.random() < 0.2 else
+             num_slots + rng.randrange(3) if rng.random() < 0.1 else rng.randrange(num_slots) for _ in range(B)]
     listed = set(slots)
-    cursors = [rng.randrange(L) if s in listed else SENTINEL for s in range(num_slots)] + [rng.randrange(L)]
+    cursors = [(FREE_CURSOR if rng.random() < 0.125 else rng.randrange(L)) if s in listed else SENTINEL
+               for s in range(num_slots)] + [rng.randrange(L)]
     flags = [rng.choice([0, 0, 0, 1, 9]) for _ in range(B)]
     i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
     return i32(cursors), i32(slots), (i32(flags) if with_flags else None)
 
 
-def host_model(cursors: list[int], slots: list[int], flags: list[int] | None, L: int) -> list[int]:
-    """The documented semantics, row by row on the host (values before this advance)."""
+def host_model(cursors: list[int], slots: list[int], flags: list[int] | None, L: int) -> tuple[list[int], set]:
+    """The documented semantics, row by row on the host (values before this advance): a row whose slot is in
+    range, named once and allocated moves its cursor; every other row changes nothing, and the rows with a slot
+    ``>= 0`` among them are the bad rows ``{(row, slot)}``."""
     S = len(cursors) - 1
     out = list(cursors)
-    groups: dict[int, bool] = {}
+    named = collections.Counter(s for s in slots if 0 <= s < S)
+    bad = set()
     for b, s in enumerate(slots):
-        idx = s if s >= 0 else S
-        flushed = cursors[idx] >= L - 1 or (flags is not None and flags[b] != 0)
-        groups[idx] = groups.get(idx, False) or flushed
-    for idx, flushed in groups.items():
-        out[idx] = 0 if flushed else cursors[idx] + 1
-    return out
+        if 0 <= s < S and named[s] == 1 and 0 <= cursors[s] < L:
+            flushed = cursors[s] >= L - 1 or (flags is not None and flags[b] != 0)
+            out[s] = 0 if flushed else cursors[s] + 1
+        elif s >= 0:
+            bad.add((b, s))
+    return out, bad
+
+
+def _guard() -> SlotGuard:
+    return SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32, device=DEV),
+                     torch.tensor([call_code("advance")], dtype=torch.int32, device=DEV))
+
+
+def _recorded(guard: SlotGuard) -> tuple[int, set]:
+    """``(bad rows counted, the recorded (row, slot) pairs)`` of an error record."""
+    rec = guard.errors.tolist()
+    return rec[2], {(rec[4 + 2 * i], rec[5 + 2 * i]) for i in range(min(rec[1], RECORDED_ROWS))}
 
 
 @pytest.mark.parametrize("B", [1, 3, 64, 300])
@@ -60,17 +78,22 @@ def test_kernel_matches_torch_ops_and_model(B: int, interpreter: None) -> None:
                 cursors, slots, flags = random_case(rng, B, L, num_slots, with_flags)
                 ref, got = cursors.clone(), cursors.to(DEV, copy=True)
                 flags_dev = None if flags is None else flags.to(DEV)
-                cursor_kernel.advance_torch(ref, slots, flags, L)
-                cursor_kernel.advance_launch(got, slots.to(DEV), flags_dev, L)
+                ref_guard, guard = _guard(), _guard()
+                ref_guard = SlotGuard(ref_guard.errors.cpu(), ref_guard.code.cpu())
+                cursor_kernel.advance_torch(ref, slots, flags, L, ref_guard)
+                cursor_kernel.advance_launch(got, slots.to(DEV), flags_dev, L, guard)
                 got = got.cpu()
                 case = (B, L, num_slots, with_flags)
                 assert torch.equal(got, ref), case
-                expected = host_model(cursors.tolist(), slots.tolist(), None if flags is None else flags.tolist(), L)
+                expected, bad = host_model(cursors.tolist(), slots.tolist(),
+                                           None if flags is None else flags.tolist(), L)
                 assert got.tolist() == expected, case
+                n_bad, pairs = _recorded(guard)
+                assert n_bad == len(bad) and pairs <= bad and len(pairs) == min(len(bad), RECORDED_ROWS), case
+                assert _recorded(ref_guard)[0] == len(bad) and _recorded(ref_guard)[1] <= bad, case
                 unlisted = set(range(num_slots)) - set(slots.tolist())
                 assert all(got[s] == SENTINEL for s in unlisted), case
-                if not (slots < 0).any():
-                    assert got[num_slots] == cursors[num_slots], case  # scratch untouched without padding
+                assert got[num_slots] == cursors[num_slots], case  # the scratch entry is never moved
                 # force_flush (given or the cached zeros for None) is read, never written
                 read = no_flush(B, DEV) if flags is None else flags_dev
                 assert torch.equal(read.cpu(), torch.zeros(B, dtype=torch.int32) if flags is None else flags), case
@@ -78,13 +101,16 @@ def test_kernel_matches_torch_ops_and_model(B: int, interpreter: None) -> None:
         assert cursor_kernel.DIRECT_PLANS.hits > hits
 
 
-def test_duplicates_resolve_to_zero_if_any_row_flushed(interpreter: None) -> None:
-    cursors = torch.tensor([2, 2, 4, 0, 7], dtype=torch.int32, device=DEV)  # S = 4, L = 5, scratch = 7
-    slots = torch.tensor([0, 0, 1, 1, 2, -1, -2, 0], dtype=torch.int32, device=DEV)
-    flags = torch.tensor([0, 0, 0, 0, 0, 0, 0, 3], dtype=torch.int32, device=DEV)
-    cursor_kernel.advance_launch(cursors, slots, flags, 5)
-    # slot 0: one forced row -> 0; slot 1: none -> 3; slot 2: at L-1 -> 0; slot 3 unlisted; scratch 7 >= L-1 -> 0
-    assert cursors.tolist() == [0, 3, 0, 0, 0]
+def test_repeated_free_and_out_of_range_slots_are_refused(interpreter: None) -> None:
+    cursors = torch.tensor([2, 2, 4, 0, FREE_CURSOR, 7], dtype=torch.int32, device=DEV)  # S = 5, L = 5, scratch 7
+    slots = torch.tensor([0, 0, 1, 2, -1, 4, 9, 3], dtype=torch.int32, device=DEV)
+    flags = torch.tensor([1, 0, 0, 0, 0, 0, 0, 3], dtype=torch.int32, device=DEV)
+    guard = _guard()
+    cursor_kernel.advance_launch(cursors, slots, flags, 5, guard)
+    # slot 0 named twice: refused; slot 1 -> 3; slot 2 at L-1 -> 0; slot 3 forced -> 0; slot 4 free: refused; slot 9
+    # out of range: refused; the scratch entry stays
+    assert cursors.tolist() == [2, 3, 0, 0, FREE_CURSOR, 7]
+    assert _recorded(guard) == (4, {(0, 0), (1, 0), (5, 4), (6, 9)})
 
 
 def test_no_flush_flags_cached_and_zero() -> None:
@@ -102,17 +128,18 @@ def test_launch_choice() -> None:
 
 
 def test_generated_code_has_one_program_and_the_barriers() -> None:
-    """Gather, barrier, store, barrier, store: the order the duplicate handling relies on."""
+    """Count, barrier, read, barrier, store on the cursor table: the order the refusal of repeated slots relies on
+    (every row's count lands before any row reads, every read before any store)."""
     B = 300
     block, warps = cursor_kernel.launch_choice(B)
     kern = cursor_kernel.advance_kernel_for(block, warps)
-    args = (torch.zeros(9, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), 4)
+    args = (torch.zeros(9, dtype=torch.int32), torch.zeros(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
+            torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 4)
     code = kern.bind(args).to_triton_code(kern.configs[0])
-    body = code[code.index("def _helion_cursor_advance_kernel"):code.index("def cursor_advance_kernel")]
-    marks = [line.strip().split("(")[0] for line in body.splitlines()
-             if line.strip().startswith(("tl.debug_barrier", "tl.store")) or "tl.load(cursors" in line]
-    assert [m.split(" = ")[-1] for m in marks] == ["tl.load", "tl.debug_barrier", "tl.store", "tl.debug_barrier",
-                                                   "tl.store"]
+    body = code[code.index("def _helion_cursor_advance_kernel"):code.index("\ndef cursor_advance_kernel")]
+    marks = [line.strip().split("(")[0].split(" = ")[-1] for line in body.splitlines()
+             if ("tl.debug_barrier" in line or "(cursors" in line) and not line.strip().startswith("#")]
+    assert marks == ["tl.atomic_add", "tl.debug_barrier", "tl.load", "tl.debug_barrier", "tl.store"], marks
     assert f"_BLOCK_SIZE_0 = tl.constexpr({block})" in code and f"num_warps={warps}" in code
 
 
@@ -121,7 +148,7 @@ def test_cpu_pool_takes_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     pool.alloc(3)
     monkeypatch.setattr(cursor_kernel, "advance_launch", lambda *a: pytest.fail("kernel launched for a CPU pool"))
     pool.advance(torch.tensor([0, 2, -1], dtype=torch.int32))
-    assert pool.cursors.tolist() == [1, 0, 1, 1]
+    assert pool.cursors.tolist() == [1, 0, 1, 0]  # (padding rows leave the scratch entry alone)
 
 
 # ---- GPU: the pool's kernel path, eager and in a CUDA graph ---------------------------------------
@@ -144,6 +171,7 @@ def test_pool_advance_on_cuda_matches_torch_ops(B: int) -> None:
                 ref = cursors.clone()
                 cursor_kernel.advance_torch(ref, slots, flags, L)
                 pool.cursors.copy_(cursors)
+                pool.slot_errors.zero_()
                 pool.advance(slots.to(pool.device), None if flags is None else flags.to(pool.device))
                 assert torch.equal(pool.cursors.cpu(), ref), (B, L, num_slots, with_flags)
 
@@ -189,4 +217,4 @@ def test_pool_advance_runs_on_the_pools_device() -> None:
     pool.alloc(6)
     torch.cuda.set_device(0)
     pool.advance(torch.tensor([0, 0, 5, -1], dtype=torch.int32, device="cuda:1"))
-    assert pool.cursors.tolist() == [1, 0, 0, 0, 0, 1, 1]
+    assert pool.cursors.tolist() == [0, 0, 0, 0, 0, 1, 0]  # slot 0 named twice: refused

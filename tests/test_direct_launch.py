@@ -22,6 +22,7 @@ from tp_replayssm.kernels.args import decode_kernel_args
 from tp_replayssm.kernels.decode import replayssm_decode_kernel
 from tp_replayssm.kernels.launch import plan_for
 from tp_replayssm.testing import random_decode_inputs, random_head_params
+from tp_replayssm.pool.slots import ERROR_WORDS, SlotGuard
 from tp_replayssm.validation import CALL_TENSORS, DecodeCall, DecodeDims, validate_decode
 
 
@@ -42,18 +43,19 @@ def _decode_call(lower_bound: float | None = None) -> tuple[DecodeDims, DecodeCa
     call = DecodeCall(inp.mixed_qkv, inp.a, inp.b, params.A_log, params.dt_bias, None, state, d, k, g, out, slots,
                       pos, flush, True, lower_bound)
     dims = validate_decode(call)
-    return dims, call, tuple(getattr(call, name) for name in CALL_TENSORS)
+    guard = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    return dims, call, (*(getattr(call, name) for name in CALL_TENSORS), *guard)
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_kernel_arg_sources_name_the_call_tensor_each_argument_views(lower_bound: float | None) -> None:
-    """``decode_kernel_args(...).sources`` names, for every tensor argument of the kernel, the call tensor (in
-    ``CALL_TENSORS``) that shares its storage, and None for every other argument; the runtime scalars sit where
-    ``scalars`` says."""
+    """``decode_kernel_args(...).sources`` names, for every tensor argument of the kernel, the input (the call's
+    tensors in ``CALL_TENSORS`` order, then the slot guard's record and code) that shares its storage, and None for
+    every other argument; the runtime scalars sit where ``scalars`` says."""
     dims, call, inputs = _decode_call(lower_bound)
     scale = 0.25
     plan = plan_for(call, dims, ring_layout="sglang", cursor_table=False, advance=False)
-    largs = decode_kernel_args(call, dims, plan, scale, call.force_flush)
+    largs = decode_kernel_args(call, dims, plan, scale, call.force_flush, SlotGuard(*inputs[-2:]))
     args = largs.values
     assert len(args) == len(largs.sources) == len(inspect.signature(replayssm_decode_kernel).parameters)
     storages = [t.untyped_storage().data_ptr() for t in inputs]
@@ -302,7 +304,7 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
     scale = 0.3
     plan = plan_for(call, dims, ring_layout="sglang", cursor_table=False, advance=False)
     config = plan.config
-    built = decode_kernel_args(call, dims, plan, scale, call.force_flush)
+    built = decode_kernel_args(call, dims, plan, scale, call.force_flush, SlotGuard(*inputs[-2:]))
     args = built.values
     kern = decode_kernel_for(config)
     host = kern.bind(args).compile_config(config)
@@ -315,19 +317,22 @@ def test_the_generated_host_code_launches_views_of_the_inputs(lower_bound: float
     sources = direct.launch_sources(largs, args, built.sources, inputs, built.scalars)
     assert sources is not None
     assert sources.count(("scalar", "scale")) == 1
-    assert {s[1] for s in sources if s[0] == "input"} == set(range(len(inputs)))  # every input is used
+    # every call tensor is used (the op's per-row cursors: the slot guard's tensors are not)
+    assert {s[1] for s in sources if s[0] == "input"} == set(range(len(CALL_TENSORS)))
     q_k_v = sorted(s[2] for s in sources if s[0] == "input" and s[1] == 0)
     itemsize = inputs[0].element_size()
     assert q_k_v == [0, dims.num_q_heads * dims.key_dim * itemsize, 2 * dims.num_q_heads * dims.key_dim * itemsize]
 
 
 def test_the_advance_kernel_host_code_launches_its_inputs() -> None:
-    """The cursor advance kernel (dynamic shapes): its host code passes the three tensors, integers that
-    the key determines (sizes, strides, the scratch index, ``ring_length``) and no runtime scalar."""
+    """The cursor advance kernel (dynamic shapes): its host code passes the five tensors (cursors, slots, flags,
+    the slot guard's record and code), integers that the key determines (sizes, strides, the scratch index,
+    ``ring_length``) and no runtime scalar."""
     from tp_replayssm.kernels import cursor as cursor_kernel
 
     B = 5
-    inputs = (torch.zeros(9, dtype=torch.int32), torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32))
+    inputs = (torch.zeros(9, dtype=torch.int32), torch.arange(B, dtype=torch.int32), torch.zeros(B, dtype=torch.int32),
+              torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     args = (*inputs, 16)
     block, warps = cursor_kernel.launch_choice(B)
     kern = cursor_kernel.advance_kernel_for(block, warps)
@@ -336,8 +341,8 @@ def test_the_advance_kernel_host_code_launches_its_inputs() -> None:
     host(*args, _launcher=lambda fn, grid, *la, **kw: launches.append((la, kw)))
     (largs, kwargs), = launches
     assert set(kwargs) == {"num_warps", "num_stages"}
-    sources = direct.launch_sources(largs, args, (0, 1, 2, None), inputs, {})
+    sources = direct.launch_sources(largs, args, (0, 1, 2, 3, 4, None), inputs, {})
     assert sources is not None
-    assert sorted(s[1] for s in sources if s[0] == "input") == [0, 1, 2]
+    assert sorted(s[1] for s in sources if s[0] == "input") == [0, 1, 2, 3, 4]
     consts = [s[1] for s in sources if s[0] == "const"]
     assert B in consts and 16 in consts and 8 in consts  # rows, ring length, scratch index

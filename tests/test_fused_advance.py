@@ -126,8 +126,10 @@ def test_kernel_count_literal_is_cursor_reader() -> None:
     """The kernel spells the count unit as a literal (a module constant would become a kernel argument)."""
     src = inspect.getsource(decode.replayssm_decode_kernel)
     assert decode.CURSOR_READER == 65536
-    assert src.count("hl.atomic_add(write_pos, [s64], 65536)") == 1 and "cur = counted & 65535" in src
-    assert "if counted >= (advance_cursors - 1) * 65536:" in src  # the atomic read's store, under an `if`
+    assert src.count("hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))") == 1
+    assert "cur = counted & 65535" in src
+    # the last reader of the word (every row naming the slot counts on it) stores, under an `if`
+    assert "if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):" in src
 
 
 def test_fused_advance_needs_the_cursor_table() -> None:

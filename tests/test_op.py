@@ -498,7 +498,6 @@ def test_reference_treats_rows_outside_their_slot_as_padding(ring_layout: str) -
     _check_out_of_range_rows_are_padding(reference.replayssm_decode, ring_layout)
 
 
-@pytest.mark.xfail(reason="kernel slot safety not in yet", strict=False)
 @pytest.mark.parametrize("ring_layout", ["sglang", "predecayed"])
 def test_kernel_treats_rows_outside_their_slot_as_padding(ring_layout: str, interpreter: None) -> None:
     """The same contract for the Helion kernel (the interpreter)."""

@@ -23,6 +23,7 @@ import torch
 import helion
 from tp_replayssm.kernels import cursor, decode, plan
 from tp_replayssm.kernels.args import decode_kernel_args
+from tp_replayssm.kernels.launch import spare_guard
 from tp_replayssm.kernels.plan import DecodePlan, DecodeProblem, launch_config, plan_decode, problem_of
 from tp_replayssm.validation import DecodeDims
 
@@ -339,7 +340,7 @@ def _kernel_code(p: DecodePlan, state_dtype: torch.dtype = FP32, ring_dtype: tor
     ``ring_dtype``), from a fresh kernel object (bound code is cached per object)."""
     call, dims = example_call(p, "fp32" if state_dtype == FP32 else "bf16")
     call = call._replace(d_cache=call.d_cache.to(ring_dtype), k_cache=call.k_cache.to(ring_dtype))
-    args = decode_kernel_args(call, dims, p, 0.1, call.force_flush).values
+    args = decode_kernel_args(call, dims, p, 0.1, call.force_flush, spare_guard(torch.device("cpu"))).values
     return helion.kernel(decode.replayssm_decode_kernel, config=p.config, **decode._SETTINGS).bind(
         args).to_triton_code(p.config)
 
@@ -430,7 +431,8 @@ def test_pdl_waits_before_any_load(capability: tuple[int, int] | None, monkeypat
     advance = helion.kernel(cursor.cursor_advance_kernel, config=cached.configs[0], **cursor._SETTINGS)
     cursors, slots = torch.zeros(9, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
     codes = [_kernel_code(_codegen_plan(value_tile=32, num_warps=4)),
-             advance.bind((cursors, slots, torch.zeros(4, dtype=torch.int32), 4)).to_triton_code(advance.configs[0])]
+             advance.bind((cursors, slots, torch.zeros(4, dtype=torch.int32), torch.zeros(20, dtype=torch.int32),
+                           torch.zeros(1, dtype=torch.int32), 4)).to_triton_code(advance.configs[0])]
     for code in codes:
         lines = code.splitlines()
         wait = [i for i, line in enumerate(lines) if "gdc_wait()" in line]

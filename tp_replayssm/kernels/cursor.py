@@ -24,7 +24,7 @@ import helion.language as hl
 from ..pool.slots import SlotGuard, record_bad_rows
 from . import direct
 from .backend import runs_kernel
-from .launch import no_flush
+from .launch import no_flush, spare_guard
 
 __all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
 
@@ -61,14 +61,17 @@ def cursor_advance_kernel(
         hl.inline_triton(_BARRIER, args=(), output_like=None)  # every read before any store
         # the moved cursor, or the cursor as it was (its count cleared) for a bad row or the scratch entry
         hl.store(cursors, [idx], torch.where(ok, torch.where(flushed, 0, c + 1), c))
-        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record)
-        bad = (slot >= 0) & (ok == 0)
-        code = hl.load(call_code, [idx * 0])
-        first = hl.atomic_cas(slot_errors, [idx * 0], torch.where(bad, 0, -1), code)  # a good row never matches -1
-        hl.atomic_add(slot_errors, [idx * 0 + 2], torch.where(bad, 1, 0))
-        mine = bad & ((first == 0) | (first == code))
-        at = hl.atomic_add(slot_errors, [idx * 0 + 1], torch.where(mine, 1, 0))
-        keep = mine & (at < 8)  # RECORDED_ROWS
+        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record). One
+        # scalar atomic per word (the whole batch is this one tile); each bad row's place is a prefix count
+        bad = torch.where((slot >= 0) & (ok == 0), 1, 0)
+        n_bad = torch.sum(bad, dim=0).to(torch.int32)
+        code = call_code[0]
+        first = hl.atomic_cas(slot_errors, [0], torch.where(n_bad > 0, 0, -1), code)  # no bad row: never matches
+        hl.atomic_add(slot_errors, [2], n_bad)
+        mine = (first == 0) | (first == code)
+        base = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
+        at = base + hl.cumsum(bad, 0) - bad
+        keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md, masks)
         hl.store(slot_errors, [4 + 2 * at], tile_b.index, extra_mask=keep)
         hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
     return cursors
@@ -139,10 +142,11 @@ def _warn_fallback(batch: int) -> None:  # once per batch size
 
 
 def advance(cursors: torch.Tensor, slots: torch.Tensor, force_flush: torch.Tensor | None, ring_length: int,
-            guard: SlotGuard) -> None:
+            guard: SlotGuard | None = None) -> None:
     """The pool's dispatch: the kernel for ``1 <= B <= MAX_ROWS`` where kernels run (:mod:`.backend`), else the
-    torch ops."""
+    torch ops. ``guard``: where bad rows are recorded (the pool's); None records them nowhere."""
     B = slots.shape[0]
+    guard = guard or spare_guard(cursors.device)
     if B and runs_kernel(cursors.device, "ReplaySSMStatePool.advance") and B <= MAX_ROWS:
         advance_launch(cursors, slots, force_flush, ring_length, guard)
     elif B:

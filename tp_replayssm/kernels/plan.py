@@ -38,8 +38,10 @@ REGISTER_CAP = 168
 # software-pipeline stages of the tensor-core chunk loop (cp.async copies of the next chunks)
 MMA_CHUNK_STAGES = 3
 # positions of the checkpoint-chunk loads in Helion's list of the kernel's loads (``load_eviction_policies``), on the
-# register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint
+# register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint: with per-row
+# cursors, and with the pool's cursor table (whose scan for slots named twice adds a load before the two later ones)
 STATE_LOADS = (1, 13, 16)
+STATE_LOADS_CURSOR_TABLE = (1, 14, 17)
 # rows per step of the pool's scan for slots named twice in one call (one step up to this batch)
 NAMED_BLOCK = 256
 # the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
@@ -92,7 +94,7 @@ class DecodePlan:
     num_warps: int
     maxnreg: int | None  # ptxas register cap, passed as a Triton launcher option beside the Helion config
     chunk_stages: int  # software-pipeline stages of the tensor-core chunk loop (0: none)
-    evict_state_first: bool  # checkpoint-chunk loads with evict_first (STATE_LOADS)
+    evict_state_first: bool  # checkpoint-chunk loads with evict_first (STATE_LOADS, STATE_LOADS_CURSOR_TABLE)
     tensor_core_chunks: bool
     tiny_batch: bool
     vector_tiles: int  # 0, 1 (append loop on [Ko, Vc, Ki, kv] tiles), 2 (and the pre-decayed keys)
@@ -112,7 +114,8 @@ class DecodePlan:
     @property
     def config(self) -> helion.Config:
         """The Helion config (one object per distinct config: compiled kernels are cached by it)."""
-        return launch_config(self.value_tile, self.num_warps, self.evict_state_first, self.chunk_stages)
+        return launch_config(self.value_tile, self.num_warps, self.evict_state_first, self.chunk_stages,
+                             self.cursor_table)
 
     def constexprs(self) -> dict[str, object]:
         """The kernel's constexpr arguments, by name."""
@@ -135,6 +138,9 @@ class DecodePlan:
         if (self.predecayed_ring == 0) != (problem.ring_layout == "sglang"):
             raise ValueError(f"DecodePlan: `predecayed_ring` {self.predecayed_ring} does not match the call's "
                              f"{problem.ring_layout!r} ring layout")
+        if self.predecayed_ring == 1 and not problem.gate_bounded:
+            raise ValueError("DecodePlan: `predecayed_ring` 1 compiles the rebase check out, but this call's gate can "
+                             "pass the rebase bound (no lower_bound, or (L-1) * |lower_bound| > 75): use 2 or 3")
         if (self.advance_readers != 0) != problem.advance:
             raise ValueError(f"DecodePlan: `advance_readers` {self.advance_readers} does not match advance="
                              f"{problem.advance}")
@@ -148,18 +154,21 @@ class DecodePlan:
                              f"K={problem.key_dim}")
 
 
-def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0) -> helion.Config:
+def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0,
+                  cursor_table: bool = False) -> helion.Config:
     """The Helion config of a plan: one cached object per distinct choice (compiled kernels are cached by config
     identity). ``range_num_stages`` by Helion's loop index: 1 is the append rows' chunk loop (pipelined only on the
     tensor-core chunk path), 2 the flush loop; the flush's replay loop (non-bf16 rings) takes the padding."""
-    return _launch_config(vt, warps, evict_state_first, chunk_stages)
+    return _launch_config(vt, warps, evict_state_first, chunk_stages, cursor_table and evict_state_first)
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(vt: int, warps: int, evict_state_first: bool, chunk_stages: int) -> helion.Config:
+def _launch_config(vt: int, warps: int, evict_state_first: bool, chunk_stages: int,
+                   cursor_table: bool) -> helion.Config:
     extra: dict[str, object] = {}
     if evict_state_first:
-        extra["load_eviction_policies"] = ["first" if i in STATE_LOADS else "" for i in range(max(STATE_LOADS) + 1)]
+        loads = STATE_LOADS_CURSOR_TABLE if cursor_table else STATE_LOADS
+        extra["load_eviction_policies"] = ["first" if i in loads else "" for i in range(max(loads) + 1)]
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
                          range_num_stages=[0, chunk_stages, 0], **extra)
 

@@ -106,6 +106,9 @@ class ReplaySSMStatePool:
         for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("ring_length", ring_length)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
+        if ring_length >= FREE_CURSOR:
+            raise ValueError(f"{where}: `ring_length` must be below {FREE_CURSOR} (a free slot's cursor); got "
+                             f"{ring_length}")
         if not is_int(conv_kernel_size) or conv_kernel_size < 0:
             raise ValueError(f"{where}: `conv_kernel_size` must be a non-negative int (0: no conv state); got "
                              f"{conv_kernel_size!r}")

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device-tool call: an A/B of the pool's decode step between another checkout of the library and this one
+# (benchmarks/bench_pool_step.py run twice, graph-captured, cycle-averaged), after a selection of GPU tests.
+#   usage (device tool; carry .devwheels and the folder BASE, which holds the other checkout's tp_replayssm/):
+#     BASE=.devab/base_pkg TESTS="tests/test_slot_safety.py tests/test_op_gpu.py" bash benchmarks/run_device_ab.sh
+#   env: SHAPES_BF16 / SHAPES_FP32 (HVxB lists for bench_pool_step), TEST_TIMEOUT (default 240 s)
+set -u
+source benchmarks/device_setup.sh || exit 1
+if [ -n "${TESTS:-}" ]; then
+  echo "== $(date +%T) GPU tests: $TESTS"
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -m gpu -q -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
+  echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 25
+fi
+bf16=${SHAPES_BF16:-8x1,32x1,8x8,32x8,8x32,8x128,32x128,8x512}
+fp32=${SHAPES_FP32:-8x8,32x128}
+for side in base new; do
+  if [ $side = base ]; then path=/tmp/site:$PWD/${BASE:?}:$PWD; else path=/tmp/site:$PWD; fi
+  echo "== $(date +%T) $side"
+  for spec in "bf16 $bf16" "fp32 $fp32"; do
+    set -- $spec
+    PYTHONPATH=$path python3 benchmarks/bench_pool_step.py --both --state "$1" --shapes "$2" \
+      --out "$OUT/step_${side}_$1.json" 2>&1 | grep -v Warning
+  done
+done
