@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ..kernels.backend import runs_kernel
 from ..validation import ACTIVATION_DTYPES, check_tensor, describe
 from .slots import SlotGuard, check_ids, record_bad_rows
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["ACTIVATIONS", "conv_reference", "conv_update", "row_verdict"]
+__all__ = ["ACTIVATIONS", "check_conv_args", "conv_reference", "conv_update", "conv_update_torch", "row_verdict"]
 
 ACTIVATIONS = ("silu", None)
 
@@ -34,10 +35,16 @@ ACTIVATIONS = ("silu", None)
 def conv_reference(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [B, T, D], new_window [B, D, W-1])`` from ``x [B, T, D]``, ``window [B, D, W-1]`` (oldest first),
-    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results."""
-    W = weight.shape[1]
+    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results; the taps are summed in order ``i = 0 .. W-1``,
+    then the bias is added, whatever ``T`` is (so ``T`` tokens in one call give the bits of ``T`` one-token calls)."""
+    W, T = weight.shape[1], x.shape[1]
     u = torch.cat([window.float(), x.float().transpose(1, 2)], dim=2)  # [B, D, W-1+T]
-    y = F.conv1d(u, weight.float()[:, None, :], bias=None if bias is None else bias.float(), groups=weight.shape[0])
+    w = weight.float()
+    y = w[:, 0, None] * u[:, :, 0:T]
+    for i in range(1, W):
+        y = y + w[:, i, None] * u[:, :, i:i + T]
+    if bias is not None:
+        y = y + bias.float()[:, None]
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2), u[:, :, u.shape[2] - (W - 1):]
@@ -61,9 +68,9 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
     if pool.conv_kernel_size == 0:
         raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
     D, W = pool.conv_channels, pool.conv_kernel_size
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D:
-        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with D = {D} (this rank's q/k/v channels); got "
-                         f"{describe(x)}")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D or (x.dim() == 3 and x.shape[1] < 1):
+        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with T >= 1 and D = {D} (this rank's q/k/v "
+                         f"channels); got {describe(x)}")
     check_tensor(where, "x", x, (tuple(x.shape),), ACTIVATION_DTYPES)
     check_tensor(where, "weight", weight, ((D, W),), (torch.float32, torch.bfloat16, torch.float16),
                  last_contiguous=False)
@@ -79,11 +86,32 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
 def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
                 bias: torch.Tensor | None, activation: str | None, guard: SlotGuard | None,
                 where: str) -> torch.Tensor:
-    """:meth:`ReplaySSMStatePool.conv_update` after its checks: torch ops, no host sync, CUDA-graph capturable.
-    ``guard`` None records nothing (a decode with the conv records its bad rows itself)."""
+    """:meth:`ReplaySSMStatePool.conv_update` after its checks, no host sync, CUDA-graph capturable: the Helion kernel
+    (:mod:`tp_replayssm.kernels.conv`) where kernels run (:func:`~tp_replayssm.kernels.backend.runs_kernel`: CUDA,
+    or the CPU in Triton's interpreter), else :func:`conv_update_torch`. ``guard`` None records nothing (a decode
+    with the conv records its bad rows itself)."""
     check_ids(slots, where, pool.device, (torch.int32,))
     if slots.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: `slots` must have one id per row of `x` ({x.shape[0]}); got {describe(slots)}")
+    if not runs_kernel(pool.device, where):
+        return conv_update_torch(pool, layer, x, weight, slots, bias, activation, guard)
+    from ..kernels.conv import launch_conv
+    from ..kernels.launch import spare_guard
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        x3, y3 = (x, y) if x.dim() == 3 else (x[:, None], y[:, None])
+        launch_conv(x3, y3, pool.conv_state, layer, weight, bias, slots, pool.cursors, pool.ring_length,
+                    activation == "silu", guard or spare_guard(pool.device))
+    return y
+
+
+def conv_update_torch(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor,
+                      slots: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                      guard: SlotGuard | None) -> torch.Tensor:
+    """The PyTorch path of :func:`conv_update` (CPU tensors by default): :func:`conv_reference` for every row on the
+    window of its slot (the scratch window for padding and refused rows), which a refused row writes back
+    unchanged. A few torch ops, no host sync."""
     x3 = x if x.dim() == 3 else x[:, None]
     live, idx = row_verdict(pool, slots)
     states = pool.conv_state[layer]
