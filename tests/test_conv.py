@@ -480,6 +480,19 @@ def test_conv_fingerprint_disagreement_is_a_placement_error(tmp_path) -> None:  
     assert "conv_dtype='torch.float32' (rank 0: 'torch.bfloat16')" in dtype and "offending rank(s): 1" in dtype, dtype
 
 
+@pytest.mark.timeout(200)
+def test_launcher_runs_the_conv_and_checks_its_window() -> None:
+    """``launch/decode.py --conv-size 2`` on two gloo ranks: the layers pass pre-conv q/k/v and their conv weights to
+    ``pool.decode``, and the oracle (conv in float64 from the window read before each step) agrees."""
+    from test_launcher import _torchrun
+
+    run = _torchrun("--steps", "3", "--batch", "3", "--seed", "2", "--conv-size", "2", "--ring-layout", "sglang")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "conv W=2 (window in the pool)" in out and "RESULT: OK" in out, out[-4000:]
+    assert "conv window 128 B" in out, out[-4000:]  # the pool's memory line: D_l = 2*16 + 2*16 channels, bf16
+
+
 # ---- FLA's ShortConvolution as a peer ------------------------------------------------------------
 
 
