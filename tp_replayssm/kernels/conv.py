@@ -38,7 +38,7 @@ from ..pool.slots import SlotGuard
 from . import direct
 from .args import rows_view
 
-__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_kernel_for", "conv_update_kernel", "launch_conv", "plan_conv"]
+__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv", "plan_conv"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,10 +194,26 @@ def conv_kernel_for(config: helion.Config) -> helion.Kernel:
 DIRECT_PLANS = direct.PlanCache("conv_update")
 
 
-def _sm_count(device: torch.device) -> int:
-    from .plan import _sm_count as sms
+def conv_bytes(batch: int, channels: int, kernel_size: int, *, tokens: int = 1, act_bytes: int = 2,
+               window_bytes: int = 2, weight_bytes: int = 2, bias: bool = True) -> int:
+    """The bytes one conv launch must move (its floor): per row the inputs read and the outputs written
+    (``tokens * D`` each, ``act_bytes``), the window read and the new window written (``(W-1) * D`` each,
+    ``window_bytes``), its slot id and cursor (4 bytes each); once the weights ``[D, W]`` (and bias ``[D]``)."""
+    per_row = 2 * tokens * channels * act_bytes + 2 * (kernel_size - 1) * channels * window_bytes + 8
+    return batch * per_row + channels * (kernel_size + (1 if bias else 0)) * weight_bytes
 
-    return sms(device)
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached per device: asked on every launch)."""
+    n = _SMS.get(device)
+    if n is None:
+        from .plan import _sm_count as sms
+
+        n = _SMS[device] = sms(device)
+    return n
+
+
+_SMS: dict[torch.device, int] = {}
 
 
 def launch_conv(x3: torch.Tensor, y3: torch.Tensor, conv_state: torch.Tensor, layer: int, weight: torch.Tensor,
