@@ -655,6 +655,28 @@ def test_bench_conv_checks_and_dry_run(capsys: pytest.CaptureFixture[str]) -> No
         2 * (2 * 3 * 10 * 4 + 2 * 3 * 10 * 2 + 8) + 10 * 4 * 4
 
 
+@pytest.mark.timeout(300)
+def test_kernel_compiles_for_sm90_without_spills() -> None:
+    """benchmarks/conv_regs.py compiles the kernel for sm_90 (no GPU: ptxas from the triton wheel; the H200's triton
+    3.6 where ``TP_REPLAYSSM_TRITON_H200`` points) at the library's plans: windows of W = 4, 2 and none, one and
+    several tokens, 64 to 1024 channels per program; none may spill."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(repo / "benchmarks" / "conv_regs.py"), "--json"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=280)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 5
+    for r in rows:
+        assert r["stack"] == 0 and 0 < r["regs"] <= 255, r
+
+
 # ---- the GPU --------------------------------------------------------------------------------------
 
 
