@@ -551,9 +551,12 @@ def test_against_fla_short_convolution(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_kernel_in_the_interpreter_window_path(interpreter: None) -> None:
-    """The kernel with a window (W = 4), bias and SiLU, bf16 inputs and windows: a one-token call ([B, D]) and a
-    3-token call with every kind of bad row, against the PyTorch path on a twin (windows bit for bit, y within a
-    bf16 step: the interpreter truncates bf16 stores) and the float64 taps; then a decode step with the conv."""
+    """The kernel with a window (W = 4), bias and SiLU, bf16 inputs and windows: a 3-token call with every kind of
+    bad row and a one-token call ([B, D], NaN-poisoned output), against the PyTorch path on a twin (windows bit for
+    bit, y within a bf16 step: the interpreter truncates bf16 stores) and the float64 taps; more bad rows than the
+    record holds; then a decode step with the conv."""
+    from tp_replayssm.pool import conv as pool_conv
+
     run_bad_case("all", T=3, conv_dtype=torch.bfloat16)
     pool, twin = make_pool(4, torch.bfloat16), make_pool(4, torch.bfloat16)
     for p in (pool, twin):
@@ -562,7 +565,8 @@ def test_kernel_in_the_interpreter_window_path(interpreter: None) -> None:
     slots = i32([3, -1, 0])
     before = pool.read_conv_state(0, i32([3, 0]))
     x = torch.randn(3, D, generator=torch.Generator().manual_seed(43)).bfloat16()
-    y = pool.conv_update(0, x, weight, slots, bias=bias)
+    y = torch.full_like(x, float("nan"))  # poisoned: every row must be written (the padding row with zeros)
+    pool_conv.conv_update(pool, 0, x, weight, slots, bias, "silu", pool.guard("conv_update", 0), "test", out=y)
     with use_cpu_backend("torch"):
         expect = twin.conv_update(0, x, weight, slots, bias=bias)
     torch.testing.assert_close(y.double(), expect.double(), rtol=1e-2, atol=1e-2)

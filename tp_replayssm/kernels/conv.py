@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 
 import torch
@@ -192,6 +193,11 @@ def conv_kernel_for(config: helion.Config) -> helion.Kernel:
 
 
 DIRECT_PLANS = direct.PlanCache("conv_update")
+_PARAMS = tuple(inspect.signature(conv_update_kernel).parameters)
+
+
+def _input_index(inputs: tuple[torch.Tensor, ...], tensor: torch.Tensor) -> int:
+    return next(i for i, t in enumerate(inputs) if t is tensor)
 
 
 def conv_bytes(batch: int, channels: int, kernel_size: int, *, tokens: int = 1, act_bytes: int = 2,
@@ -234,15 +240,22 @@ def launch_conv(x3: torch.Tensor, y3: torch.Tensor, conv_state: torch.Tensor, la
     inputs = (x3, y3, conv_state, weight, weight if bias is None else bias, slots, cursors, *guard)
 
     def make_args() -> direct.LaunchArgs:
-        xt3 = x3.transpose(1, 2)
+        """The kernel's arguments in its signature's order; each tensor tagged with the input it views."""
         if W > 1:
             win, (sl, ss, sd) = rows_view(conv_state)
         else:  # no window: a distinct view the kernel never reads
             win, (sl, ss, sd) = weight[:1], (0, 0, 0)
-        bias_arg = weight[0] if bias is None else bias  # (a distinct view: the recorder matches by identity)
-        values = (xt3, y3, win, weight, bias_arg, slots, cursors, *guard, layer * sl, ss, sd, int(ring_length), W,
-                  plan.width_block, plan.named_block, bias is not None, bool(silu))
-        sources = (0, 1, 2 if W > 1 else 3, 3, 3 if bias is None else 4, 5, 6, 7, 8) + (None,) * 9
+        tensors = {  # name -> (value, the input it views)
+            "xt3": (x3.transpose(1, 2), x3), "y3": (y3, y3), "win_rows": (win, conv_state if W > 1 else weight),
+            "weight": (weight, weight),
+            "bias": (weight[0], weight) if bias is None else (bias, bias),  # a distinct view: matched by identity
+            "slots": (slots, slots), "cursors": (cursors, cursors), "slot_errors": (guard.errors, guard.errors),
+            "call_code": (guard.code, guard.code)}
+        scalars = dict(layer_row=layer * sl, ws=ss, wd=sd, ring_length=int(ring_length), kernel_size=W,
+                       width_block=plan.width_block, named_block=plan.named_block, has_bias=bias is not None,
+                       silu=bool(silu))
+        values = tuple(tensors[n][0] if n in tensors else scalars[n] for n in _PARAMS)
+        sources = tuple(_input_index(inputs, tensors[n][1]) if n in tensors else None for n in _PARAMS)
         return direct.LaunchArgs(values, sources, {})
 
     DIRECT_PLANS.launch(kern, config, make_args, inputs, device, (plan, int(layer), int(ring_length), bool(silu)))
