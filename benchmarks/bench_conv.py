@@ -14,9 +14,9 @@ conv windows, kernel ``W``), per shape:
   ``decode_us``.
 - ``conv_us``: ``pool.conv_update`` alone, one graph of up to ``--max-calls`` calls rotating over slot sets of a
   pool of its own (at most 16384 slots), enough that the windows stream from HBM (8x the L2) where those caps allow
-  (``alone_windows_mb``: the windows it cycles through; below the L2's size the number is L2-warm); ``floor_us``: the conv's bytes
-  (``tp_replayssm.kernels.conv.conv_bytes``: inputs, outputs, window read and written, weights) at the measured
-  copy bandwidth; ``pct_floor = floor / conv_us``; ``host_us``: host time of one eager ``conv_update`` call.
+  (``alone_windows_mb``: the windows it cycles through; below the L2's size the number is L2-warm); ``floor_us``:
+  the conv's bytes (``tp_replayssm.kernels.conv.conv_bytes``: inputs, outputs, window read and written, weights) at
+  the measured copy bandwidth; ``pct_floor = floor / conv_us``; ``host_us``: host time of one eager ``conv_update`` call.
 - ``target``: ``ok`` where the conv adds at most 5% at ``B >= 32`` and at most 0.5 us at ``B <= 8`` (``MISS``
   otherwise; ``-`` between).
 

@@ -15,8 +15,8 @@ layer's decode moves the cursors), and requests finish (their last token force-f
 slot. Rows without a request are padding rows (slot -1), so the batch shape never changes. Every rank checks a
 sample of rows against the float64 oracle tp_replayssm.testing.PlainKDA (outputs from the state ``read_state`` gave
 before the step, and the state after it); the conv is computed in float64 from the window ``read_conv_state`` gave
-before the step, and the window after it must hold the step's inputs. On CPU tensors the library runs its PyTorch path; no environment variable
-is needed.
+before the step, and the window after it must hold the step's inputs. On CPU tensors the library runs its PyTorch
+path; no environment variable is needed.
 
 All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
 rank; weights are generated per head block, so each rank materializes only its own column/row slices.

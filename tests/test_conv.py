@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import _dist_helpers as h
-from tp_replayssm import KDAHeads, PlacementError, ReplaySSMStatePool, SlotError, shard_heads
+from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError, shard_heads
 from tp_replayssm.kernels.backend import cpu_backend, use_cpu_backend
 from tp_replayssm.pool.conv import conv_reference
 from tp_replayssm.testing import random_decode_inputs, random_head_params

@@ -39,7 +39,8 @@ from ..pool.slots import SlotGuard
 from . import direct
 from .args import rows_view
 
-__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv", "plan_conv"]
+__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv",
+           "plan_conv"]
 
 logger = logging.getLogger(__name__)
 

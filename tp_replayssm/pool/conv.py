@@ -71,7 +71,8 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
     if pool.conv_kernel_size == 0:
         raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
     D, W = pool.conv_channels, pool.conv_kernel_size
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D or (x.dim() == 3 and x.shape[1] < 1):
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D \
+            or (x.dim() == 3 and x.shape[1] < 1):
         raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with T >= 1 and D = {D} (this rank's q/k/v "
                          f"channels); got {describe(x)}")
     check_tensor(where, "x", x, (tuple(x.shape),), ACTIVATION_DTYPES)
