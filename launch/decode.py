@@ -7,13 +7,16 @@
 Every rank builds its shard of a multi-layer ReplaySSMStatePool (collective construction = the first placement
 check), then runs an engine loop: requests arrive (``alloc`` and a prefill by ``load_state`` with random states),
 every step runs a tiny TP KDA layer stack around the pool (RMSNorm, column-parallel q/k/v/a/b projections of the
-rank's heads from the hidden vector ``x [B, D]``, ``pool.decode``, row-parallel output projection
+rank's heads from the hidden vector ``x [B, D]``, ``pool.decode`` (which first runs the short convolution over the
+pre-conv q/k/v with the rank's slice of the conv weights, ``--conv-size``, its window held in the pool), row-parallel
+output projection
 ``[B, HV_l*V] @ [HV_l*V, D]`` and an ``all_reduce``, residual), ``pool.advance`` (or, ``--fused-advance``, the last
 layer's decode moves the cursors), and requests finish (their last token force-flushes the ring) and free their
 slot. Rows without a request are padding rows (slot -1), so the batch shape never changes. Every rank checks a
 sample of rows against the float64 oracle tp_replayssm.testing.PlainKDA (outputs from the state ``read_state`` gave
-before the step, and the state after it). On CPU tensors the library runs its PyTorch path; no environment variable
-is needed.
+before the step, and the state after it); the conv is computed in float64 from the window ``read_conv_state`` gave
+before the step, and the window after it must hold the step's inputs. On CPU tensors the library runs its PyTorch
+path; no environment variable is needed.
 
 All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
 rank; weights are generated per head block, so each rank materializes only its own column/row slices.
@@ -78,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-layout", choices=RING_LAYOUTS, default="predecayed",
                    help="the pools' ring layout (ReplaySSMStatePool(ring_layout=...)): keys pre-decayed by "
                         "cumulative gates (the fastest), or the per-step keys and gates SGLang's kernels use")
+    p.add_argument("--conv-size", type=int, default=4,
+                   help="kernel W of the short convolution before the recurrence (its last W-1 inputs per slot live "
+                        "in the pool: conv_kernel_size); 0: no convolution")
     p.add_argument("--fused-advance", action="store_true",
                    help="the last layer's decode moves the cursors (pool.decode(..., advance=True)) instead of a "
                         "pool.advance call per step")
@@ -105,6 +111,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.inject_fault == "same-device" and args.device != "cuda":
         p.error("--inject-fault same-device needs --device cuda (several CPU ranks per host are fine)")
+    if args.conv_size < 0:
+        p.error("--conv-size must be >= 0 (0: no convolution)")
     for name in ("steps", "batch", "ring_length", "min_len", "max_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -173,7 +181,8 @@ class Engine:
         num_slots = args.slots or 2 * args.batch
         kw = dict(num_layers=self.num_layers, num_slots=num_slots, ring_length=args.ring_length,
                   state_dtype=getattr(torch, args.state_dtype), cache_dtype=getattr(torch, args.cache_dtype),
-                  group=dist.group.WORLD, device=self.device, ring_layout=args.ring_layout)
+                  group=dist.group.WORLD, device=self.device, ring_layout=args.ring_layout,
+                  conv_kernel_size=args.conv_size)
         if args.inject_fault == "same-device":  # every rank on cuda:0 (forgot set_device(local_rank))
             torch.cuda.set_device(0)
             kw["device"] = torch.device("cuda", 0)
@@ -221,7 +230,9 @@ class Engine:
 
     def _make_weights(self) -> None:
         """Per layer: column slices ``W_qkv [D, 2H_l*K + HV_l*V]``, ``W_a [D, HV_l*K]``, ``W_b [D, HV_l]``;
-        row slice ``W_o [HV_l*V, D]``; ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` (fp32)."""
+        row slice ``W_o [HV_l*V, D]``; ``A_log [HV_l]``, ``dt_bias [HV_l*K]`` (fp32); with ``--conv-size W`` the conv
+        weights ``[2H_l*K + HV_l*V, W]`` and bias of the rank's q/k/v channels, in ``mixed_qkv``'s column order (one
+        block per head, like the projections: what ``HeadShard.slice_conv_weight`` takes from the global weight)."""
         torch, D = self.torch, self.hidden
         h = self.heads
         K, V = h.key_dim, h.value_dim
@@ -237,7 +248,15 @@ class Engine:
             A_log = torch.cat([self._block(l, 6, i, (1,), 1.0).clamp(-1, 0.5) for i in self.shard.v_heads])
             dt = torch.cat([self._block(l, 7, i, (K,), 1.0).clamp(-4, 0) for i in self.shard.v_heads])
             dev, dt_ = self.device, self.act_dtype
-            self.layers.append(dict(
+            conv = {}
+            W = self.args.conv_size
+            if W:  # one [dim, W + 1] block per head and kind: W taps, then the bias
+                blocks = ([self._block(l, 8, i, (K, W + 1), W ** -0.5) for i in self.shard.q_heads]
+                          + [self._block(l, 9, i, (K, W + 1), W ** -0.5) for i in self.shard.q_heads]
+                          + [self._block(l, 10, i, (V, W + 1), W ** -0.5) for i in self.shard.v_heads])
+                wb = torch.cat(blocks, 0)
+                conv = dict(conv_w=wb[:, :W].contiguous().to(dev, dt_), conv_b=(wb[:, W] * 0.2).to(dev, dt_))
+            self.layers.append(dict(**conv,
                 w_qkv=torch.cat(q + k + v, 1).to(dev, dt_), w_a=torch.cat(a, 1).to(dev, dt_),
                 w_b=torch.cat(b, 1).to(dev, dt_), w_o=torch.cat(o, 0).to(dev, dt_),
                 A_log=A_log.float().to(dev), dt_bias=dt.float().to(dev)))
@@ -281,10 +300,12 @@ class Engine:
         slots_h = [r.slot if r is not None else -1 for r in self.rows]
         flush_h = [1 if r is not None and r.remaining == 1 else 0 for r in self.rows]
         sample = live[: args.check_rows] if check else []
-        before = []
+        before, windows = [], []
         if sample:  # the state each layer starts this step with (cursors are shared: valid for all)
             sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=dev)
             before = [self.pool.read_state(l, sidx) for l in range(self.num_layers)]
+            if args.conv_size:  # and the conv windows
+                windows = [self.pool.read_conv_state(l, sidx) for l in range(self.num_layers)]
         g = torch.Generator().manual_seed(args.seed * 7919 + step)
         x = torch.randn(B, self.hidden, generator=g)
         x[[i for i in range(B) if self.rows[i] is None]] = 0.0
@@ -305,7 +326,8 @@ class Engine:
             t_dec = time.perf_counter()
             out = self.pool.decode(l, mixed_qkv, a, b, w["A_log"], w["dt_bias"], slots, force_flush=force,
                                    lower_bound=args.lower_bound,
-                                   advance=args.fused_advance and l == self.num_layers - 1)
+                                   advance=args.fused_advance and l == self.num_layers - 1,
+                                   conv_weight=w.get("conv_w"), conv_bias=w.get("conv_b"))
             # host time of the call: a layer's first decode runs the collective check (layer 0's also
             # compiles the kernel); later ones run none (the default check mode)
             (self.first_decode if step == 0 else self.later_decode).append((l, time.perf_counter() - t_dec))
@@ -329,7 +351,7 @@ class Engine:
             self.stats["warm_tokens"] += len(live)
             self.stats["warm_bytes"] += traffic
         if sample:
-            self._verify(sample, before, seen)
+            self._verify(sample, before, seen, windows)
         for i in live:
             r = self.rows[i]
             r.remaining -= 1
@@ -337,7 +359,7 @@ class Engine:
 
     def _count_traffic(self, live: list[int], flush_h: list[int]) -> int:
         """Bytes the decode moves per row and layer: the checkpoint and the ``c`` valid ring entries
-        read, and either one ring entry or the checkpoint written."""
+        read, and either one ring entry or the checkpoint written; the conv window read and written."""
         m = self.pool.memory
         L = self.args.ring_length
         entry = m.ring_per_slot_layer // L
@@ -346,12 +368,17 @@ class Engine:
             c = self.rows[i].cursor
             flushed = flush_h[i] or c == L - 1
             per_layer = m.checkpoint_per_slot_layer + c * entry + (m.checkpoint_per_slot_layer if flushed else entry)
+            per_layer += 2 * m.conv_per_slot_layer  # the conv window, read and written
             total += per_layer * self.num_layers
         return total
 
     def _verify(self, sample: list[int], before: list[torch.Tensor],
-                seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Outputs and new states of the sampled rows vs the float64 PlainKDA oracle, per layer."""
+                seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+                windows: list[torch.Tensor]) -> None:
+        """Outputs and new states of the sampled rows vs the float64 PlainKDA oracle, per layer. With the conv, the
+        oracle's q/k/v are the float64 conv of the pre-conv ``mixed_qkv`` over the window ``read_conv_state`` gave
+        before the step (so a wrong window fails the run), and the window after the step must be the old one moved
+        on by this step's inputs (rounded to the window's dtype)."""
         torch = self.torch
         from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, rel_err
 
@@ -365,17 +392,28 @@ class Engine:
         for l, (S0, (mixed_qkv, a, b, out)) in enumerate(zip(before, seen)):
             oracle = PlainKDA(n, loc.num_q_heads, loc.num_v_heads, loc.key_dim, loc.value_dim)
             oracle.load(list(range(n)), S0)
-            inputs = DecodeInputs(mixed_qkv[rows], a[rows], b[rows])
+            e_win = 0.0
+            if windows:  # the conv in float64: y = silu(sum_i w[:, i] * u[i] + bias), u = window then the input
+                w = self.layers[l]
+                u = torch.cat([windows[l].double(), mixed_qkv[rows].double()[:, :, None]], dim=2)  # [n, D_l, W]
+                y = (u * w["conv_w"].double()).sum(-1) + w["conv_b"].double()
+                mixed_qkv = y * torch.sigmoid(y)  # [n, D_l], the post-conv q/k/v
+                moved = u[:, :, 1:].to(self.pool.conv_dtype)
+                e_win = rel_err(self.pool.read_conv_state(l, sidx), moved) if moved.numel() else 0.0
+                inputs = DecodeInputs(mixed_qkv, a[rows], b[rows])
+            else:
+                inputs = DecodeInputs(mixed_qkv[rows], a[rows], b[rows])
             params = HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"])
             expect = oracle.step(inputs, params, list(range(n)), lower_bound=self.args.lower_bound)
             e_out = rel_err(out[rows, 0], expect)
             e_state = rel_err(self.pool.read_state(l, sidx), oracle.state)
-            err = max(e_out, e_state)
+            err = max(e_out, e_state, e_win)
             self.stats["max_err"] = max(self.stats["max_err"], err)
             self.stats["checked_rows"] += n
             if not err <= tol:
                 self.stats["mismatches"] += n
-                log.error("layer %d rows %s: rel err out %.2e state %.2e > tol %.0e", l, sample, e_out, e_state, tol)
+                log.error("layer %d rows %s: rel err out %.2e state %.2e conv window %.2e > tol %.0e", l, sample,
+                          e_out, e_state, e_win, tol)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -433,7 +471,8 @@ class Engine:
                 f"V={self.heads.value_dim}, {self.num_layers} layers), batch {self.args.batch}, "
                 f"L={self.args.ring_length}, state {self.pool.state_dtype}, cache {self.pool.cache_dtype}, "
                 f"activations {self.act_dtype}, cursor advance "
-                f"{'fused into the last decode' if self.args.fused_advance else 'by pool.advance'}",
+                f"{'fused into the last decode' if self.args.fused_advance else 'by pool.advance'}, "
+                f"{f'conv W={self.args.conv_size} (window in the pool)' if self.args.conv_size else 'no conv'}",
                 f"  steps {s['steps']}, tokens {s['tokens']}, requests admitted {s['admitted']} finished "
                 f"{s['finished']}, wall {wall:.2f} s",
                 f"  throughput {s['warm_tokens'] / warm_s:.1f} tokens/s over the steps after the first "

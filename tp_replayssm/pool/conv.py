@@ -9,8 +9,9 @@ unchanged. For ``x [B, T, D]`` pre-conv, with ``u`` the window followed by ``x``
 
 and the window then holds the last ``W-1`` entries of ``u``. :func:`conv_reference` is that math, readable;
 :func:`conv_update` runs it for the pool's rows with slot safety (a row whose slot is out of range, free or repeated
-gets ``y = 0`` and changes no window; it is recorded for ``pool.check()``). The math is fp32; ``y`` takes ``x``'s
-dtype and the window stores inputs rounded to ``conv_dtype``.
+gets ``y = 0`` and changes no window; it is recorded for ``pool.check()``): on CUDA (or in Triton's interpreter) the
+Helion kernel of :mod:`tp_replayssm.kernels.conv`, on CPU tensors :func:`conv_update_torch`. The math is fp32; ``y``
+takes ``x``'s dtype and the window stores inputs rounded to ``conv_dtype``. docs/conv.md has the contract.
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ..validation import ACTIVATION_DTYPES, check_tensor, describe
+from ..kernels.backend import runs_kernel
+from ..kernels.plan import DecodePlan, problem_of
+from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
 from .slots import SlotGuard, check_ids, record_bad_rows
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["ACTIVATIONS", "conv_reference", "conv_update", "row_verdict"]
+__all__ = ["ACTIVATIONS", "check_conv_args", "conv_before_decode", "conv_reference", "conv_update", "conv_update_torch",
+           "row_verdict"]
 
 ACTIVATIONS = ("silu", None)
 
@@ -34,10 +38,16 @@ ACTIVATIONS = ("silu", None)
 def conv_reference(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [B, T, D], new_window [B, D, W-1])`` from ``x [B, T, D]``, ``window [B, D, W-1]`` (oldest first),
-    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results."""
-    W = weight.shape[1]
+    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results; the taps are summed in order ``i = 0 .. W-1``,
+    then the bias is added, whatever ``T`` is (so ``T`` tokens in one call give the bits of ``T`` one-token calls)."""
+    W, T = weight.shape[1], x.shape[1]
     u = torch.cat([window.float(), x.float().transpose(1, 2)], dim=2)  # [B, D, W-1+T]
-    y = F.conv1d(u, weight.float()[:, None, :], bias=None if bias is None else bias.float(), groups=weight.shape[0])
+    w = weight.float()
+    y = w[:, 0, None] * u[:, :, 0:T]
+    for i in range(1, W):
+        y = y + w[:, i, None] * u[:, :, i:i + T]
+    if bias is not None:
+        y = y + bias.float()[:, None]
     if activation == "silu":
         y = F.silu(y)
     return y.transpose(1, 2), u[:, :, u.shape[2] - (W - 1):]
@@ -61,9 +71,10 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
     if pool.conv_kernel_size == 0:
         raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
     D, W = pool.conv_channels, pool.conv_kernel_size
-    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D:
-        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with D = {D} (this rank's q/k/v channels); got "
-                         f"{describe(x)}")
+    if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D \
+            or (x.dim() == 3 and x.shape[1] < 1):
+        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with T >= 1 and D = {D} (this rank's q/k/v "
+                         f"channels); got {describe(x)}")
     check_tensor(where, "x", x, (tuple(x.shape),), ACTIVATION_DTYPES)
     check_tensor(where, "weight", weight, ((D, W),), (torch.float32, torch.bfloat16, torch.float16),
                  last_contiguous=False)
@@ -78,12 +89,54 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
 
 def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
                 bias: torch.Tensor | None, activation: str | None, guard: SlotGuard | None,
-                where: str) -> torch.Tensor:
-    """:meth:`ReplaySSMStatePool.conv_update` after its checks: torch ops, no host sync, CUDA-graph capturable.
-    ``guard`` None records nothing (a decode with the conv records its bad rows itself)."""
+                where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.conv_update` after its checks, no host sync, CUDA-graph capturable: the Helion kernel
+    (:mod:`tp_replayssm.kernels.conv`) where kernels run (:func:`~tp_replayssm.kernels.backend.runs_kernel`: CUDA,
+    or the CPU in Triton's interpreter), else :func:`conv_update_torch`. ``guard`` None records nothing (a decode
+    with the conv records its bad rows itself). ``out``: a contiguous tensor of ``x``'s shape and dtype for ``y``."""
     check_ids(slots, where, pool.device, (torch.int32,))
     if slots.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: `slots` must have one id per row of `x` ({x.shape[0]}); got {describe(slots)}")
+    if not runs_kernel(pool.device, where):
+        y = conv_update_torch(pool, layer, x, weight, slots, bias, activation, guard)
+        return y if out is None else out.copy_(y)
+    from ..kernels.conv import launch_conv
+    from ..kernels.launch import spare_guard
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if x.shape[0]:
+        x3, y3 = (x, y) if x.dim() == 3 else (x[:, None], y[:, None])
+        launch_conv(x3, y3, pool.conv_state, layer, weight, bias, slots, pool.cursors, pool.ring_length,
+                    activation == "silu", guard or spare_guard(pool.device))
+    return y
+
+
+def conv_before_decode(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, weight: torch.Tensor,
+                       bias: torch.Tensor | None, *, advance: bool, plan: DecodePlan | None, where: str) -> DecodeCall:
+    """The conv of ``pool.decode(..., conv_weight=, conv_bias=)``: check the conv's arguments and the whole decode call
+    (with a fresh buffer as its ``mixed_qkv``, and ``plan``) first, since the conv moves the windows; then run the
+    conv (SiLU) of the call's pre-conv ``mixed_qkv [B, D]`` into that buffer and return the call that reads it. The
+    conv records no bad rows: the decode kernel records the same rows."""
+    x = call.mixed_qkv
+    check_conv_args(pool, x, weight, bias, "silu", where)
+    if x.dim() != 2:
+        raise ValueError(f"{where}: `mixed_qkv` must be [B, D] (one pre-conv token per row); got {describe(x)}")
+    call = call._replace(mixed_qkv=torch.empty(x.shape, dtype=x.dtype, device=pool.device))
+    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where)
+    if plan is not None:
+        plan.check(problem_of(dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype,
+                              device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,
+                              use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound))
+    conv_update(pool, layer, x, weight, call.ssm_state_indices, bias, "silu", None, where, out=call.mixed_qkv)
+    return call
+
+
+def conv_update_torch(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor,
+                      slots: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                      guard: SlotGuard | None) -> torch.Tensor:
+    """The PyTorch path of :func:`conv_update` (CPU tensors by default): :func:`conv_reference` for every row on the
+    window of its slot (the scratch window for padding and refused rows), which a refused row writes back
+    unchanged. A few torch ops, no host sync."""
     x3 = x if x.dim() == 3 else x[:, None]
     live, idx = row_verdict(pool, slots)
     states = pool.conv_state[layer]

@@ -319,8 +319,8 @@ class ReplaySSMStatePool:
         None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
         would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
-        SiLU) runs first and advances the rows' windows (:meth:`conv_update`). ``plan`` replaces the library's
-        launch plan (benchmarks)."""
+        SiLU) runs first, in a launch of its own, and advances the rows' windows (:meth:`conv_update`; docs/conv.md).
+        ``plan`` replaces the library's launch plan (benchmarks)."""
         where = f"ReplaySSMStatePool.decode(layer={layer})"
         self._check_layer(layer, "decode")
         if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
@@ -337,13 +337,13 @@ class ReplaySSMStatePool:
         check_ids(slots, where, self.device, (torch.int32,))
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=True)
-        if conv_weight is not None:
-            conv.check_conv_args(self, mixed_qkv, conv_weight, conv_bias, "silu", where)
-            mixed_qkv = conv.conv_update(self, layer, mixed_qkv, conv_weight, slots, conv_bias, "silu", None, where)
-        elif conv_bias is not None:
-            raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
         call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
                           use_qk_l2norm_in_kernel, lower_bound)
+        if conv_weight is not None:  # every check first (the conv moves the windows), then the conv
+            call = conv.conv_before_decode(self, layer, call, conv_weight, conv_bias, advance=bool(advance), plan=plan,
+                                           where=where)
+        elif conv_bias is not None:
+            raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
         run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
                    guard=self.guard("decode", layer), where=where)
         return out

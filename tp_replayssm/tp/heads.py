@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HeadShard", "KDAHeads", "all_shards", "concat_outputs", "shard_heads"]
+__all__ = ["HeadShard", "KDAHeads", "all_shards", "concat_outputs", "concat_qkv", "shard_heads"]
 
 
 def _is_int(x: object) -> bool:
@@ -114,16 +114,53 @@ class HeadShard:
 
     # ---- slicing helpers: GLOBAL tensors in, this rank's local tensors out ----------------------
 
+    @property
+    def qkv_ranges(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """The global ``mixed_qkv`` columns (conv channels) this rank holds, in its local order: ``(start, end)`` of
+        the q of its q/k heads, the k of them, and the v of its value heads."""
+        h = self.heads
+        H, K, V = h.num_q_heads, h.key_dim, h.value_dim
+        return ((self.q_head_start * K, self.q_head_end * K),
+                (H * K + self.q_head_start * K, H * K + self.q_head_end * K),
+                (2 * H * K + self.v_head_start * V, 2 * H * K + self.v_head_end * V))
+
+    def _channels(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The rank's channels of ``t`` along ``dim`` (a new contiguous tensor)."""
+        return torch.cat([t.narrow(dim, a, b - a) for a, b in self.qkv_ranges], dim=dim)
+
     def slice_mixed_qkv(self, mixed_qkv: torch.Tensor) -> torch.Tensor:
         """``[..., 2*H*K + HV*V]`` -> ``[..., 2*H_l*K + HV_l*V]`` = ``[q of its q/k heads | k of them | v
         of its value heads]`` (a new contiguous tensor)."""
-        h = self.heads
-        H, K, V = h.num_q_heads, h.key_dim, h.value_dim
-        _check_last(mixed_qkv, "mixed_qkv", h.qkv_width)
-        q = mixed_qkv[..., self.q_head_start * K : self.q_head_end * K]
-        k = mixed_qkv[..., H * K + self.q_head_start * K : H * K + self.q_head_end * K]
-        v = mixed_qkv[..., 2 * H * K + self.v_head_start * V : 2 * H * K + self.v_head_end * V]
-        return torch.cat([q, k, v], dim=-1)
+        _check_last(mixed_qkv, "mixed_qkv", self.heads.qkv_width)
+        return self._channels(mixed_qkv, -1)
+
+    def slice_conv_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The short convolution's depthwise weight ``[2*H*K + HV*V, W]`` (or ``[D, 1, W]``, the shape of an
+        ``nn.Conv1d``'s such as FLA's ``ShortConvolution``) -> this rank's ``[2*H_l*K + HV_l*V, W]``: its channels in
+        ``mixed_qkv``'s column order, as :meth:`slice_mixed_qkv` takes the columns (a new contiguous tensor)."""
+        D = self.heads.qkv_width
+        if isinstance(weight, torch.Tensor) and weight.dim() == 3 and weight.shape[0] == D and weight.shape[1] == 1:
+            weight = weight[:, 0]
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+            raise ValueError(f"slice_conv_weight: `weight` must be [2*H*K + HV*V, W] = [{D}, W] or [{D}, 1, W]; got "
+                             f"{_describe(weight)}")
+        return self._channels(weight, 0)
+
+    def slice_conv_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """The short convolution's bias ``[2*H*K + HV*V]`` -> this rank's ``[2*H_l*K + HV_l*V]`` (a new tensor)."""
+        D = self.heads.qkv_width
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (D,):
+            raise ValueError(f"slice_conv_bias: `bias` must be [2*H*K + HV*V] = [{D}]; got {_describe(bias)}")
+        return self._channels(bias, 0)
+
+    def slice_conv_state(self, states: torch.Tensor) -> torch.Tensor:
+        """Global conv windows ``[n, 2*H*K + HV*V, W-1]`` -> this rank's ``[n, 2*H_l*K + HV_l*V, W-1]`` (what
+        ``pool.load_state(..., conv_states=)`` takes; a new contiguous tensor)."""
+        D = self.heads.qkv_width
+        if not isinstance(states, torch.Tensor) or states.dim() != 3 or states.shape[1] != D:
+            raise ValueError(f"slice_conv_state: `states` must be [n, 2*H*K + HV*V, W-1] = [n, {D}, W-1]; got "
+                             f"{_describe(states)}")
+        return self._channels(states, 1)
 
     def slice_a(self, a: torch.Tensor) -> torch.Tensor:
         """Gate logits ``[B, HV*K]`` -> ``[B, HV_l*K]`` or ``[B, HV, K]`` -> ``[B, HV_l, K]`` (a view)."""
@@ -221,6 +258,32 @@ def concat_outputs(outs: Sequence[torch.Tensor], *, dim: int = -2) -> torch.Tens
             raise ValueError(f"concat_outputs: rank {t}'s output has shape {list(o.shape)}; expected the "
                              f"shape of rank 0's {list(first.shape)} except along dim {dim}")
     return torch.cat(list(outs), dim=axis)
+
+
+def concat_qkv(heads: KDAHeads, parts: Sequence[torch.Tensor], *, dim: int = -1) -> torch.Tensor:
+    """Inverse of :meth:`HeadShard.slice_mixed_qkv` (and of the conv slicers) for per-rank tensors whose channel axis
+    ``dim`` holds a rank's ``2*H_l*K + HV_l*V`` channels in its local order: rank-ordered ``parts`` (one per rank,
+    ``tp = len(parts)``) -> the global ``2*H*K + HV*V`` channels in ``mixed_qkv``'s order, e.g. every rank's conv
+    outputs ``[B, D_l]`` -> ``[B, D]`` or windows ``[n, D_l, W-1]`` -> ``[n, D, W-1]`` (``dim=1``). A q/k head held by
+    several ranks (``tp % H == 0``) is taken from the first of them; its copies are not compared."""
+    if len(parts) == 0:
+        raise ValueError("concat_qkv: `parts` must hold one tensor per rank; got an empty sequence")
+    shards = all_shards(heads, len(parts))
+    width = shards[0].local.qkv_width
+    for t, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor) or p.dim() == 0 or p.shape[dim] != width:
+            raise ValueError(f"concat_qkv: rank {t}'s part must have {width} channels (2*H_l*K + HV_l*V) along dim "
+                             f"{dim}; got {_describe(p)}")
+    pieces: list[list[torch.Tensor]] = [[], [], []]  # q, k, v blocks in global order
+    done: list[set[int]] = [set(), set(), set()]
+    for shard, part in zip(shards, parts):
+        offset = 0
+        for kind, (a, b) in enumerate(shard.qkv_ranges):
+            if a not in done[kind]:
+                done[kind].add(a)
+                pieces[kind].append(part.narrow(dim, offset, b - a))
+            offset += b - a
+    return torch.cat(pieces[0] + pieces[1] + pieces[2], dim=dim)
 
 
 def _check_last(t: object, name: str, width: int) -> None:

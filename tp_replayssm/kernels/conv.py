@@ -1,0 +1,262 @@
+"""The pool's short convolution in one launch (:meth:`tp_replayssm.pool.ReplaySSMStatePool.conv_update`).
+
+KDA layers run a causal depthwise convolution of kernel ``W`` over the ``D`` pre-conv channels of ``mixed_qkv``
+before the recurrence. For a row with pre-conv inputs ``x [T, D]`` and its slot's window ``[D, W-1]`` (the last
+``W-1`` inputs, oldest first), with ``u`` = the window followed by ``x``::
+
+    y[t, d] = act(sum_i weight[d, i] * u[t + i, d] + bias[d])        (i = 0 .. W-1; act = SiLU or the identity)
+
+and the window then holds the last ``W-1`` entries of ``u``, rounded to its dtype. All math is fp32; ``y`` takes
+``x``'s dtype. :func:`tp_replayssm.pool.conv.conv_reference` is the same math in torch ops.
+
+One program per (row, block of ``block_d`` channels) (:func:`plan_conv`). A program decides whether its row may touch
+its slot exactly as the decode kernel does (slot in range, allocated: its cursor in ``[0, L-1]``, named by no other
+row of the call), reads the window columns and inputs each output needs straight from memory (``u[t + i]`` is a
+window column while ``t + i < W-1``, else input ``t + i - (W-1)``), writes ``y``, then, behind a CTA barrier (the
+window is read by other threads of the program and Helion orders no write-after-read), writes the new window. A
+refused row (slot out of range, free, or named twice) writes zeros to ``y`` and nothing else, and its first
+program records it in the pool's error record; a padding row (slot < 0) writes zeros. No host sync; on sm_90+ it is
+launched with programmatic dependent launch like the decode kernel.
+
+The window arrives as an overlapping row view of the whole ``pool.conv_state [NL, S+1, D, W-1]``
+(:func:`tp_replayssm.kernels.args.rows_view`): row ``layer*sl + slot*ss + d*sd`` holds channel ``d``'s window, so
+any layer and any strides with a contiguous last dim work without a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+
+import torch
+
+import helion
+import helion.language as hl
+
+from ..pool.slots import SlotGuard
+from . import direct
+from .args import rows_view
+
+__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv",
+           "plan_conv"]
+
+logger = logging.getLogger(__name__)
+
+
+def conv_update_kernel(
+    xt3: torch.Tensor,  # [B, D, T] the pre-conv inputs, channels before tokens (x viewed as x[b].T)
+    y3: torch.Tensor,  # [B, T, D] outputs
+    win_rows: torch.Tensor,  # rows view [span, W-1] of pool.conv_state (a weight view when W == 1: never read)
+    weight: torch.Tensor,  # [D, W]
+    bias: torch.Tensor,  # [D] (a weight view without bias: never read)
+    slots: torch.Tensor,  # [B] int32, < 0 = padding
+    cursors: torch.Tensor,  # [S + 1] int32: the pool's cursor table (a free slot's cursor is FREE_CURSOR)
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (pool.slots)
+    call_code: torch.Tensor,  # [1] int32: what this call records there
+    layer_row: int,  # layer * sl: the layer's first window row
+    ws: int,  # window element strides: slot, channel
+    wd: int,
+    ring_length: int,  # L: an allocated slot's cursor is in [0, L-1]
+    kernel_size: hl.constexpr,  # W
+    width_block: hl.constexpr,  # the power of two >= W the taps are computed in
+    named_block: hl.constexpr,  # rows per step of the scan that counts how many rows name a slot
+    has_bias: hl.constexpr,
+    silu: hl.constexpr,
+) -> torch.Tensor:
+    """One conv update of every row's channels (module docstring)."""
+    B = xt3.size(0)
+    D = xt3.size(1)
+    T = xt3.size(2)
+    scratch = cursors.size(0) - 1
+    hl.pdl_wait()  # sm_90+: nothing is read before the previous kernel has finished
+    hl.pdl_launch_dependents()
+    for tile_b, tile_d in hl.tile([B, D], block_size=[1, None]):
+        row = tile_b.begin
+        d = tile_d.index
+        dmask = d < D
+        slot = slots[row]
+        # slot safety (docs/conv.md): in range, allocated (cursor in [0, L-1]) and named by this row only
+        in_range = (slot >= 0) & (slot < scratch)
+        s64 = torch.where(in_range, slot, scratch).to(torch.int64)  # refused rows address the scratch window
+        cur = cursors[s64]
+        named = slot * 0
+        for nb in hl.grid(0, B, named_block):
+            others = nb + hl.arange(named_block)
+            same = (hl.load(slots, [others], extra_mask=others < B) == slot) & (others < B)
+            named = named + torch.sum(torch.where(same, 1, 0), dim=0).to(torch.int32)
+        ok = in_range & (cur >= 0) & (cur < ring_length) & (named == 1)
+        live_d = torch.where(ok, dmask, False)  # [block_d]: the channels this program reads and writes
+        i = hl.arange(width_block)  # the taps
+        w = hl.load(weight, [d, i], extra_mask=dmask[:, None] & (i < kernel_size)[None, :]).to(torch.float32)
+        if has_bias:
+            bias_d = hl.load(bias, [d], extra_mask=dmask).to(torch.float32)
+        wrow = layer_row + s64 * ws + d.to(torch.int64) * wd  # [block_d] the channels' window rows
+        for t in hl.grid(T):
+            j = t + i  # u[t + i]: window column j while j < W-1, else input j - (W-1)
+            tok = j - (kernel_size - 1)
+            from_x = (tok >= 0) & (i < kernel_size)
+            ux = hl.load(xt3, [row, d, torch.where(from_x, tok, 0)],
+                         extra_mask=live_d[:, None] & from_x[None, :]).to(torch.float32)
+            if kernel_size > 1:
+                from_window = j < kernel_size - 1
+                uw = hl.load(win_rows, [wrow, torch.where(from_window, j, 0)],
+                             extra_mask=live_d[:, None] & from_window[None, :]).to(torch.float32)
+                u = torch.where(from_window[None, :], uw, ux)
+            else:
+                u = ux
+            acc = torch.sum(u * w, dim=1)  # [block_d]
+            if has_bias:
+                acc = acc + bias_d
+            if silu:
+                acc = acc * torch.sigmoid(acc)
+            hl.store(y3, [row, t, d], torch.where(ok, acc, 0.0).to(y3.dtype), extra_mask=dmask)
+        if kernel_size > 1:  # the new window: u[T + c] for c < W-1
+            jn = T + i
+            tok_n = jn - (kernel_size - 1)
+            keep = jn < kernel_size - 1  # still a column of the old window (T < W-1)
+            live = (i < kernel_size - 1) & (tok_n < T)
+            nx = hl.load(xt3, [row, d, torch.where(keep, 0, tok_n)],
+                         extra_mask=live_d[:, None] & (live & (keep == 0))[None, :])
+            nw = hl.load(win_rows, [wrow, torch.where(keep, jn, 0)],
+                         extra_mask=live_d[:, None] & keep[None, :])
+            new = torch.where(keep[None, :], nw.to(torch.float32), nx.to(torch.float32))
+            hl.inline_triton("tl.debug_barrier()", [], None)  # every read of the window before any write
+            hl.store(win_rows, [wrow, i], new.to(win_rows.dtype),
+                     extra_mask=live_d[:, None] & (i < kernel_size - 1)[None, :])
+        if (slot >= 0) & (ok == 0) & (tile_d.begin == 0):  # a refused row, recorded once (as the decode kernel)
+            code = call_code[0]
+            first = hl.atomic_cas(slot_errors, [0], 0, code)  # the first bad call owns the record
+            hl.atomic_add(slot_errors, [2], 1)
+            if (first == 0) | (first == code):
+                at = hl.atomic_add(slot_errors, [1], 1)
+                if at < 8:  # pool.slots.RECORDED_ROWS
+                    slot_errors[4 + 2 * at] = slot * 0 + row
+                    slot_errors[5 + 2 * at] = slot
+    return y3
+
+
+# Sizes vary per call (batch, tokens); one compile serves them. Offsets into a pool exceed int32 in large pools.
+_SETTINGS = dict(static_shapes=False, index_dtype=torch.int64)
+
+# The channel block: the smallest block that keeps a program's loads wide, the largest that keeps its tiles in
+# registers; between them, the largest that still gives MIN_PROGRAMS programs (latency at small batches: many
+# small programs; bandwidth at large ones: fewer, longer programs, each paying the slot scan once).
+MIN_BLOCK_D, MAX_BLOCK_D = 64, 1024
+MIN_PROGRAMS_PER_SM = 2
+NAMED_BLOCK_MAX = 256  # rows per step of the slot scan
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvPlan:
+    """How a conv launch is compiled: ``block_d`` channels per program, ``num_warps``, ``width_block`` (the power of
+    two >= W the taps are computed in) and ``named_block`` (rows per step of the slot scan)."""
+
+    block_d: int
+    num_warps: int
+    width_block: int
+    named_block: int
+
+    @property
+    def config(self) -> helion.Config:
+        return _config(self.block_d, self.num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _config(block_d: int, num_warps: int) -> helion.Config:
+    return helion.Config(block_sizes=[block_d], indexing="pointer", num_warps=num_warps, num_stages=1)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def plan_conv(batch: int, channels: int, kernel_size: int, sm_count: int) -> ConvPlan:
+    """The plan of a conv launch of ``batch`` rows, ``channels`` (D) and kernel ``kernel_size`` (W) on a device of
+    ``sm_count`` SMs: ``block_d`` = the largest power of two in ``[MIN_BLOCK_D, MAX_BLOCK_D]`` (and not above D's
+    power of two) with ``batch * ceil(D / block_d) >= MIN_PROGRAMS_PER_SM * sm_count``, else ``MIN_BLOCK_D``;
+    ``num_warps = block_d / 128`` in ``[1, 8]`` (4 channels per thread); the slot scan's step is the batch's power of
+    two up to ``NAMED_BLOCK_MAX``."""
+    block = min(MAX_BLOCK_D, max(MIN_BLOCK_D, _pow2_at_least(channels)))
+    while block > MIN_BLOCK_D and batch * -(-channels // block) < MIN_PROGRAMS_PER_SM * sm_count:
+        block //= 2
+    return ConvPlan(block_d=block, num_warps=min(8, max(1, block // 128)), width_block=_pow2_at_least(kernel_size),
+                    named_block=min(NAMED_BLOCK_MAX, max(16, _pow2_at_least(batch))))
+
+
+@functools.lru_cache(maxsize=None)
+def conv_kernel_for(config: helion.Config) -> helion.Kernel:
+    """The conv kernel pinned to ``config`` (one kernel object per config)."""
+    logger.debug("conv kernel: %s", config)
+    return helion.kernel(conv_update_kernel, config=config, **_SETTINGS)
+
+
+DIRECT_PLANS = direct.PlanCache("conv_update")
+_PARAMS = tuple(inspect.signature(conv_update_kernel).parameters)
+
+
+def _input_index(inputs: tuple[torch.Tensor, ...], tensor: torch.Tensor) -> int:
+    return next(i for i, t in enumerate(inputs) if t is tensor)
+
+
+def conv_bytes(batch: int, channels: int, kernel_size: int, *, tokens: int = 1, act_bytes: int = 2,
+               window_bytes: int = 2, weight_bytes: int = 2, bias: bool = True) -> int:
+    """The bytes one conv launch must move (its floor): per row the inputs read and the outputs written
+    (``tokens * D`` each, ``act_bytes``), the window read and the new window written (``(W-1) * D`` each,
+    ``window_bytes``), its slot id and cursor (4 bytes each); once the weights ``[D, W]`` (and bias ``[D]``)."""
+    per_row = 2 * tokens * channels * act_bytes + 2 * (kernel_size - 1) * channels * window_bytes + 8
+    return batch * per_row + channels * (kernel_size + (1 if bias else 0)) * weight_bytes
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (cached per device: asked on every launch)."""
+    n = _SMS.get(device)
+    if n is None:
+        from .plan import _sm_count as sms
+
+        n = _SMS[device] = sms(device)
+    return n
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def launch_conv(x3: torch.Tensor, y3: torch.Tensor, conv_state: torch.Tensor, layer: int, weight: torch.Tensor,
+                bias: torch.Tensor | None, slots: torch.Tensor, cursors: torch.Tensor, ring_length: int,
+                silu: bool, guard: SlotGuard, plan: ConvPlan | None = None) -> None:
+    """One launch for validated arguments: ``x3``/``y3 [B, T, D]`` (last dim contiguous), ``conv_state [NL, S+1, D,
+    W-1]`` (the pool's; its ``layer``), ``weight [D, W]``, ``bias [D]`` or None, ``slots [B]`` int32, ``cursors
+    [S+1]``; ``guard``: where bad rows are recorded. On CUDA, repeated calls of the same metadata and layer launch the
+    compiled kernel directly (:mod:`.direct`; the key holds the plan and the layer, which with the tensors' metadata
+    determine every integer the launch passes)."""
+    B, T, D = x3.shape
+    W = weight.shape[1]
+    device = x3.device
+    if plan is None:
+        plan = plan_conv(B, D, W, _sm_count(device))
+    config = plan.config
+    kern = conv_kernel_for(config)
+    inputs = (x3, y3, conv_state, weight, weight if bias is None else bias, slots, cursors, *guard)
+
+    def make_args() -> direct.LaunchArgs:
+        """The kernel's arguments in its signature's order; each tensor tagged with the input it views."""
+        if W > 1:
+            win, (sl, ss, sd) = rows_view(conv_state)
+        else:  # no window: a distinct view the kernel never reads
+            win, (sl, ss, sd) = weight[:1], (0, 0, 0)
+        tensors = {  # name -> (value, the input it views)
+            "xt3": (x3.transpose(1, 2), x3), "y3": (y3, y3), "win_rows": (win, conv_state if W > 1 else weight),
+            "weight": (weight, weight),
+            "bias": (weight[0], weight) if bias is None else (bias, bias),  # a distinct view: matched by identity
+            "slots": (slots, slots), "cursors": (cursors, cursors), "slot_errors": (guard.errors, guard.errors),
+            "call_code": (guard.code, guard.code)}
+        scalars = dict(layer_row=layer * sl, ws=ss, wd=sd, ring_length=int(ring_length), kernel_size=W,
+                       width_block=plan.width_block, named_block=plan.named_block, has_bias=bias is not None,
+                       silu=bool(silu))
+        values = tuple(tensors[n][0] if n in tensors else scalars[n] for n in _PARAMS)
+        sources = tuple(_input_index(inputs, tensors[n][1]) if n in tensors else None for n in _PARAMS)
+        return direct.LaunchArgs(values, sources, {})
+
+    DIRECT_PLANS.launch(kern, config, make_args, inputs, device, (plan, int(layer), int(ring_length), bool(silu)))
