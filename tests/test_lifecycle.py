@@ -264,6 +264,34 @@ def test_fork_argument_errors_name_the_argument() -> None:
     pool.check()
 
 
+def test_fork_reads_nothing_back_to_the_host() -> None:
+    """Every aten op a fork runs (good, bad and padding pairs), seen through a dispatch mode: none reads a value back
+    to the host (``.item()``, a 0-d tensor index, ``nonzero``, boolean masks), so a CUDA graph can capture it. The
+    op count (each op is about one launch on the GPU) stays small: one gather and one scatter per pool tensor, and
+    the verdict and the record."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    pool = busy_pool("predecayed", Driver())
+    src, dst = ids(0, 6, 1, 2), ids(3, 1, -1, 2)
+    with Ops() as ops:
+        pool.fork(src, dst)
+    syncing = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item", "aten.is_nonzero",
+               "aten.unique_consecutive", "aten._unique2"}
+    assert not syncing & set(ops.names), sorted(syncing & set(ops.names))
+    assert len(ops.names) < 120, len(ops.names)
+    with pytest.raises(SlotError, match="row 1 slot 6, row 3 slot 2"):
+        pool.check()
+
+
 # ---- export -------------------------------------------------------------------------------------------------------
 
 

@@ -75,7 +75,8 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
     # since sources and destinations are named once), or slot 0 when no pair is good. Every such write puts back
     # the bytes just read, so the scatter's repeated indices all carry the same values and nothing changes.
     src_l = src.long()
-    spare = torch.where(ok.any(), src_l[ok.int().argmax()], 0)
+    first = src_l.index_select(0, ok.int().argmax().reshape(1))  # (a 0-d index would sync)
+    spare = torch.where(ok.any(), first, 0)
     from_idx = torch.where(ok, src_l, spare)
     to_idx = torch.where(ok, dst.long(), spare)
     for t in (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache, pool.conv_state):
