@@ -305,8 +305,12 @@ def test_export_is_read_state_of_every_layer_with_metadata_and_changes_nothing(l
     assert tuple(shard.states.shape) == (NL, 3, HV, V, K)
     assert tuple(shard.conv_states.shape) == (NL, 3, HEADS.qkv_width, W - 1)
     assert shard.conv_states.dtype == pool.conv_dtype
-    for layer in range(NL):
-        assert torch.equal(shard.states[layer], pool.read_state(layer, ids(3, 0, 3)).cpu())
+    for layer in range(NL):  # the same replay, all layers in one batch: bitwise on the CPU, fp32 sums on the GPU
+        want = pool.read_state(layer, ids(3, 0, 3)).cpu()
+        if DEV.type == "cpu":
+            assert torch.equal(shard.states[layer], want)
+        else:
+            assert rel_err(shard.states[layer], want) < 1e-6
         assert torch.equal(shard.conv_states[layer], pool.read_conv_state(layer, ids(3, 0, 3)).cpu())
     assert (shard.heads, shard.tp_rank, shard.tp_size, shard.num_layers, shard.ring_length, shard.ring_layout) == \
         (HEADS, 0, 1, NL, L, layout)

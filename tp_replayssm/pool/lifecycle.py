@@ -58,7 +58,8 @@ def pair_verdict(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor
 
 
 def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """:meth:`ReplaySSMStatePool.fork` after nothing: checks, then the copy (module docstring)."""
+    """:meth:`ReplaySSMStatePool.fork`: argument checks (debug mode: the pairs on the host), the pairs' verdict,
+    one gather and one scatter per pool tensor, the record of refused pairs (module docstring)."""
     where = "ReplaySSMStatePool.fork"
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != pool.device:
@@ -190,9 +191,9 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
         return
     dev, shard = pool.device, pool.shard
     # this rank's value heads, run by run (consecutive heads from one shard), on the pool's device
-    states = torch.cat([_on(pool, shards[i].states, (slice(None), slice(None),
-                                                      slice(a - shards[i].v_head_start, b - shards[i].v_head_start)))
-                        for i, a, b in _runs(shard.v_heads, v_src)], dim=2)
+    states = _cat([_on(pool, shards[i].states, (slice(None), slice(None),
+                                                 slice(a - shards[i].v_head_start, b - shards[i].v_head_start)))
+                   for i, a, b in _runs(shard.v_heads, v_src)])
     windows = None
     if pool.conv_state is not None:  # q block, k block, v block of this rank's channels
         moved = {i: _on(pool, shards[i].conv_states, ()) for i in sorted(set(q_src) | set(v_src))}
@@ -202,7 +203,7 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
             for i, a, b in _runs(heads, src):
                 cols = slice(shards[i].conv_columns(kind, a).start, shards[i].conv_columns(kind, b - 1).stop)
                 pieces.append(moved[i][:, :, cols])
-        windows = torch.cat(pieces, dim=2)
+        windows = _cat(pieces)
     idx = torch.tensor(ids, dtype=torch.long, device=dev)
     pool.checkpoint.index_copy_(1, idx, states.to(pool.state_dtype))
     for ring in (pool.d_cache, pool.k_cache, pool.g_cache):
@@ -221,6 +222,11 @@ def _runs(heads: range, src: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((i, h, h + 1))
     return runs
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces joined along the head / channel axis (a single piece as it is)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
 
 def _on(pool: ReplaySSMStatePool, t: torch.Tensor, index: tuple) -> torch.Tensor:
