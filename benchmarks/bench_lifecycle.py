@@ -301,10 +301,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch=torch.__version__, cuda=torch.version.cuda, args={k: str(v) for k, v in vars(args).items()})
     l2_bytes = 50 * 2**20
     if dev.type == "cuda":
+        if dev.index is None:
+            dev = args.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
         props = torch.cuda.get_device_properties(dev)
         l2_bytes = int(getattr(props, "L2_cache_size", 0) or l2_bytes)
         meta.update(gpu=props.name, l2_bytes=l2_bytes)
-        torch.cuda.set_device(dev)
     log(f"bench_lifecycle on {meta.get('gpu', dev)}: heads {args.heads}, states {args.states}, {args.layers} layers, "
         f"K={args.key_dim} V={args.value_dim} L={args.ring}, {args.cache_dtype} rings, conv {args.conv}")
     records: list[dict] = []

@@ -475,7 +475,8 @@ class Engine:
 
     def _follow(self, live: list[int], seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
                 ) -> None:
-        """Step every live request's float64 oracle state with this step's inputs (``--fork-prob``/``--preempt-prob``)."""
+        """Step every live request's float64 oracle state with this step's inputs (with ``--fork-prob`` or
+        ``--preempt-prob``)."""
         torch = self.torch
         from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA
 

@@ -378,9 +378,10 @@ ROUND_TRIPS = {  # how -> (carry, the target: "same pool" or a fresh pool's kwar
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_keeps_decoding(layout: str, how: str, tmp_path: Path) -> None:
     """Export slot 2 (cursor 2, mid-ring), carry the shard, import it into a busy slot of this or a fresh pool (its
-    ring is emptied, its cursor 0, no other slot changes); the import's state equals the source's; then both decode the same tokens for 5 steps (through a flush): the
-    outputs match to 1e-5 with fp32 checkpoints and fp32 rings (the materialized ring is one fp32 rounding away),
-    to 1e-2 with a bf16 checkpoint (the folded state is rounded to bf16 once more)."""
+    ring is emptied, its cursor 0, no other slot changes); the import's state equals the source's; then both decode
+    the same tokens for 5 steps (through a flush): the outputs match to 1e-5 with fp32 checkpoints and fp32 rings
+    (the materialized ring is one fp32 rounding away), to 1e-2 with a bf16 checkpoint (the folded state is rounded
+    to bf16 once more)."""
     drv = Driver()
     carry, target_kw = ROUND_TRIPS[how]
     src = busy_pool(layout, drv, steps=2, cache=torch.float32)
