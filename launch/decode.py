@@ -18,6 +18,13 @@ before the step, and the state after it); the conv is computed in float64 from t
 before the step, and the window after it must hold the step's inputs. On CPU tensors the library runs its PyTorch
 path; no environment variable is needed.
 
+A request's life beyond decoding: with ``--fork-prob P`` a new request sometimes shares a running request's prefix
+(``pool.fork`` from its slot instead of a prefill; both then continue), and with ``--preempt-prob P`` a running
+request is sometimes preempted (``pool.export_state`` to CPU, asynchronous on CUDA, and its slot freed) and later
+resumed in a newly allocated slot (``pool.import_state``). With either option the oracle follows every request
+from its prefill through forks and preemptions (a float64 state per request, forked with it), and the sampled rows
+are checked against that state instead of the one ``read_state`` gave.
+
 All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
 rank; weights are generated per head block, so each rank materializes only its own column/row slices.
 ``--inject-fault KIND`` makes the last rank misplaced or disagreeing to demonstrate each placement error: every rank
@@ -92,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-len", type=int, default=2, help="shortest request (tokens to decode)")
     p.add_argument("--max-len", type=int, default=6, help="longest request")
     p.add_argument("--arrival", type=float, default=0.7, help="chance an empty row admits a request per step")
+    p.add_argument("--fork-prob", type=float, default=0.0,
+                   help="chance a new request shares a running request's prefix: pool.fork from its slot instead "
+                        "of a prefill (both then continue)")
+    p.add_argument("--preempt-prob", type=float, default=0.0,
+                   help="chance per step that a running request is preempted: exported to CPU "
+                        "(pool.export_state), its slot freed, and resumed later in a new slot (pool.import_state)")
     p.add_argument("--check-every", type=int, default=1, help="verify sampled rows every N steps (0: never)")
     p.add_argument("--check-rows", type=int, default=2, help="rows sampled per checked step")
     p.add_argument("--log-every", type=int, default=2, help="rank 0 logs progress every N steps")
@@ -118,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_len < args.min_len:
         p.error("--max-len must be >= --min-len")
+    for name in ("fork_prob", "preempt_prob"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
     if args.cache_dtype == "float16" and args.ring_layout == "predecayed":
         p.error("--cache-dtype float16 needs --ring-layout sglang (the pre-decayed keys overflow fp16)")
     return args
@@ -129,6 +145,8 @@ class Request:
     slot: int
     remaining: int  # tokens still to decode
     cursor: int = 0  # host mirror of the pool's ring cursor (for the traffic estimate)
+    forked: bool = False  # started as a fork of another request
+    resumed: bool = False  # was preempted and resumed at least once
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,7 +230,15 @@ class Engine:
         self.next_rid = 0
         self.sched = torch.Generator().manual_seed(args.seed)  # same stream on every rank
         self.stats = dict(tokens=0, engine_s=0.0, warm_s=0.0, warm_tokens=0, warm_bytes=0, checked_rows=0,
-                          mismatches=0, max_err=0.0, admitted=0, finished=0, steps=0)
+                          mismatches=0, max_err=0.0, admitted=0, finished=0, steps=0, forks=0, preempted=0,
+                          resumed=0, lineage_rows=0)
+        # forks and preemptions draw from their own stream (the same on every rank), so without them the
+        # scheduling is the one it always was; with them the oracle follows each request (self.shadow)
+        self.life = torch.Generator().manual_seed(args.seed * 7177 + 3)
+        self.lineage = args.fork_prob > 0 or args.preempt_prob > 0
+        self.shadow: dict[int, list[torch.Tensor]] = {}  # request id -> float64 state per layer [HV_l, V, K]
+        self.shadow_win: dict[int, list[torch.Tensor]] = {}  # request id -> conv window per layer [D_l, W-1]
+        self.waiting: list[tuple[Request, Any]] = []  # preempted requests and their StateShard, oldest first
 
     # ---- setup ------------------------------------------------------------------------------
 
@@ -265,29 +291,101 @@ class Engine:
 
     def _admit(self) -> None:
         torch, args = self.torch, self.args
+        self._resume()
         empty = [i for i, r in enumerate(self.rows) if r is None]
         draws = torch.rand(len(empty), generator=self.sched).tolist()
         lens = torch.randint(args.min_len, args.max_len + 1, (len(empty),), generator=self.sched).tolist()
         new_rows = [(i, n) for i, d, n in zip(empty, draws, lens) if d < args.arrival]
         if not new_rows:
             return
+        sources = self._fork_sources(len(new_rows))  # per new row: a running request to fork from, or None
         slots = self.pool.alloc(len(new_rows))
         HV_l, V, K = self.shard.num_v_heads_local, self.heads.value_dim, self.heads.key_dim
-        for (row, n), slot in zip(new_rows, slots.tolist()):
-            self.rows[row] = Request(self.next_rid, slot, n)
+        for (row, n), slot, src in zip(new_rows, slots.tolist(), sources):
+            cursor = src.cursor if src is not None else 0  # a fork starts at its source's cursor
+            self.rows[row] = Request(self.next_rid, slot, n, cursor=cursor, forked=src is not None)
             self.next_rid += 1
-        ids = [self.rows[row].rid for row, _ in new_rows]
-        for l in range(self.num_layers):  # prefill: random states of the rank's value heads
-            g = torch.Generator().manual_seed(hash((self.args.seed, l, self.rank, tuple(ids))) & 0x7FFFFFFF)
-            states = torch.randn(len(ids), HV_l, V, K, generator=g).mul_(0.1).to(self.device)
-            self.pool.load_state(l, slots, states)
+        forks = [(src, self.rows[row]) for (row, _), src in zip(new_rows, sources) if src is not None]
+        prefill = [(i, self.rows[row]) for i, ((row, _), src) in enumerate(zip(new_rows, sources)) if src is None]
+        if forks:  # shares the source's prefix: every layer's checkpoint, ring, cursor (no prefill)
+            dev = self.device
+            self.pool.fork(torch.tensor([s.slot for s, _ in forks], dtype=torch.int32, device=dev),
+                           torch.tensor([r.slot for _, r in forks], dtype=torch.int32, device=dev))
+            for s, r in forks:  # the oracle forks too
+                if self.lineage:
+                    self.shadow[r.rid] = [t.clone() for t in self.shadow[s.rid]]
+                    self.shadow_win[r.rid] = [t.clone() for t in self.shadow_win.get(s.rid, [])]
+            self.stats["forks"] += len(forks)
+        if prefill:
+            ids = [r.rid for _, r in prefill]
+            pslots = slots[torch.tensor([i for i, _ in prefill], device=slots.device)]
+            for l in range(self.num_layers):  # prefill: random states of the rank's value heads
+                g = torch.Generator().manual_seed(hash((self.args.seed, l, self.rank, tuple(ids))) & 0x7FFFFFFF)
+                states = torch.randn(len(ids), HV_l, V, K, generator=g).mul_(0.1)
+                self.pool.load_state(l, pslots, states.to(self.device))
+                if self.lineage:
+                    for j, rid in enumerate(ids):
+                        self.shadow.setdefault(rid, []).append(states[j].double())
+                        if self.args.conv_size:  # alloc zeroed the window
+                            self.shadow_win.setdefault(rid, []).append(torch.zeros(
+                                self.pool.conv_channels, self.args.conv_size - 1, dtype=torch.float64,
+                                device=self.device))
         self.stats["admitted"] += len(new_rows)
+
+    # ---- forks and preemptions (--fork-prob, --preempt-prob) -----------------------------------
+
+    def _fork_sources(self, n: int) -> list[Request | None]:
+        """For each of ``n`` new requests, the running request it forks from (a different one each), or None."""
+        if self.args.fork_prob <= 0:
+            return [None] * n
+        running = [r for r in self.rows if r is not None]
+        draws = self.torch.rand(n, generator=self.life).tolist()
+        picks = self.torch.randint(0, 1 << 30, (n,), generator=self.life).tolist()
+        out: list[Request | None] = []
+        for d, pick in zip(draws, picks):
+            if d < self.args.fork_prob and running:
+                out.append(running.pop(pick % len(running)))  # a slot is named once per fork call
+            else:
+                out.append(None)
+        return out
+
+    def _preempt(self) -> None:
+        """Preempt some running requests: export each to CPU (asynchronously on CUDA), free its slot, queue it."""
+        if self.args.preempt_prob <= 0:
+            return
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        draws = self.torch.rand(len(live), generator=self.life).tolist()
+        for i, d in zip(live, draws):
+            if d < self.args.preempt_prob:
+                r = self.rows[i]
+                shard = self.pool.export_state([r.slot], device="cpu", non_blocking=self.device.type == "cuda")
+                self.pool.free([r.slot])
+                r.slot, r.cursor, r.resumed = -1, 0, True
+                self.waiting.append((r, shard))
+                self.rows[i] = None
+                self.stats["preempted"] += 1
+
+    def _resume(self) -> None:
+        """Preempted requests take empty rows first: a new slot each, ``import_state`` of their shard."""
+        empty = [i for i, r in enumerate(self.rows) if r is None]
+        take = self.waiting[: len(empty)]
+        if not take:
+            return
+        del self.waiting[: len(take)]
+        slots = self.pool.alloc(len(take))
+        for j, (row, (r, shard)) in enumerate(zip(empty, take)):
+            self.pool.import_state(slots[j:j + 1], [shard])  # (waits for the export's copy)
+            r.slot = int(slots[j])
+            self.rows[row] = r
+        self.stats["resumed"] += len(take)
 
     def _finish(self) -> None:
         done = [i for i, r in enumerate(self.rows) if r is not None and r.remaining == 0]
         if done:
             self.pool.free([self.rows[i].slot for i in done])
             for i in done:
+                self.shadow.pop(self.rows[i].rid, None)
+                self.shadow_win.pop(self.rows[i].rid, None)
                 self.rows[i] = None
             self.stats["finished"] += len(done)
 
@@ -301,7 +399,13 @@ class Engine:
         flush_h = [1 if r is not None and r.remaining == 1 else 0 for r in self.rows]
         sample = live[: args.check_rows] if check else []
         before, windows = [], []
-        if sample:  # the state each layer starts this step with (cursors are shared: valid for all)
+        if sample and self.lineage:  # the state (and conv window) the oracle followed this request to
+            before = [torch.stack([self.shadow[self.rows[i].rid][l] for i in sample]) for l in range(self.num_layers)]
+            if args.conv_size:
+                windows = [torch.stack([self.shadow_win[self.rows[i].rid][l] for i in sample])
+                           for l in range(self.num_layers)]
+            self.stats["lineage_rows"] += sum(self.rows[i].forked or self.rows[i].resumed for i in sample)
+        elif sample:  # the state each layer starts this step with (cursors are shared: valid for all)
             sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=dev)
             before = [self.pool.read_state(l, sidx) for l in range(self.num_layers)]
             if args.conv_size:  # and the conv windows
@@ -337,7 +441,7 @@ class Engine:
             y = out.reshape(B, -1) @ w["w_o"]  # row-parallel: partial sum of this rank's heads
             dist.all_reduce(y)
             x = x + y
-            if sample:
+            if sample or self.lineage:
                 seen.append((mixed_qkv, a, b, out))
         if not args.fused_advance:
             self.pool.advance(slots, force)
@@ -352,6 +456,8 @@ class Engine:
             self.stats["warm_bytes"] += traffic
         if sample:
             self._verify(sample, before, seen, windows)
+        if self.lineage:
+            self._follow(live, seen)
         for i in live:
             r = self.rows[i]
             r.remaining -= 1
@@ -415,6 +521,34 @@ class Engine:
                 log.error("layer %d rows %s: rel err out %.2e state %.2e conv window %.2e > tol %.0e", l, sample,
                           e_out, e_state, e_win, tol)
 
+    def _follow(self, live: list[int], seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+                ) -> None:
+        """Step every live request's float64 oracle state (and conv window) with this step's inputs (with
+        ``--fork-prob`` or ``--preempt-prob``)."""
+        torch = self.torch
+        from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA
+
+        loc = self.shard.local
+        rows = torch.tensor(live, device=self.device)
+        for l, (mixed_qkv, a, b, _) in enumerate(seen):
+            qkv = mixed_qkv[rows]
+            if self.args.conv_size:  # the conv in float64 over the followed window, which then moves on
+                w = self.layers[l]
+                win = torch.stack([self.shadow_win[self.rows[i].rid][l] for i in live])
+                u = torch.cat([win, qkv.double()[:, :, None]], dim=2)
+                y = (u * w["conv_w"].double()).sum(-1) + w["conv_b"].double()
+                qkv = y * torch.sigmoid(y)
+                moved = u[:, :, 1:].to(self.pool.conv_dtype).double()  # the window keeps its dtype's rounding
+                for j, i in enumerate(live):
+                    self.shadow_win[self.rows[i].rid][l] = moved[j]
+            oracle = PlainKDA(len(live), loc.num_q_heads, loc.num_v_heads, loc.key_dim, loc.value_dim)
+            oracle.load(list(range(len(live))), torch.stack([self.shadow[self.rows[i].rid][l] for i in live]))
+            oracle.step(DecodeInputs(qkv, a[rows], b[rows]),
+                        HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"]), list(range(len(live))),
+                        lower_bound=self.args.lower_bound)
+            for j, i in enumerate(live):
+                self.shadow[self.rows[i].rid][l] = oracle.state[j].clone()
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
@@ -433,6 +567,7 @@ class Engine:
             check = args.check_every > 0 and step % args.check_every == 0
             self._step(step, check)
             self._finish()
+            self._preempt()
             self.stats["steps"] += 1
             if self.rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
                 s = self.stats
@@ -481,6 +616,13 @@ class Engine:
                 f"({s['warm_bytes'] / 2**20:.2f} MiB of checkpoint/ring reads+writes)",
                 f"  pool build (collective check included) {self.build_s * 1e3:.1f} ms on rank 0",
             ]
+            if self.lineage:
+                lines.append(
+                    f"  lifecycle: forks {s['forks']} (--fork-prob {self.args.fork_prob}), preemptions "
+                    f"{s['preempted']} and resumptions {s['resumed']} (--preempt-prob {self.args.preempt_prob}), "
+                    f"{len(self.waiting)} still waiting; sampled rows of forked or resumed requests "
+                    f"{s['lineage_rows']} (the float64 oracle followed every request through its forks and "
+                    "preemptions)")
             for r in every:
                 c = r["checks"]
                 lines.append(

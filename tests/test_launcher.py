@@ -197,3 +197,25 @@ def test_placement_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
         assert r["backend"] == "gloo" and r["check_us"] > 0 and r["host_first_us"] > r["host_later_us"] > 0
+
+
+@pytest.mark.timeout(200)
+def test_launcher_forks_and_preempts_requests() -> None:
+    """``--fork-prob`` and ``--preempt-prob`` on two gloo ranks: new requests fork running ones (``pool.fork``),
+    running requests are exported to CPU, freed and resumed in new slots (``export_state`` / ``import_state``), and
+    the float64 oracle, which follows every request through its forks and preemptions, still agrees on every sampled
+    row, forked and resumed requests among them."""
+    run = _torchrun("--steps", "10", "--batch", "4", "--seed", "3", "--fork-prob", "0.5", "--preempt-prob", "0.25",
+                    "--check-rows", "4")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert "RESULT: OK" in out, out[-4000:]
+    m = re.search(r"lifecycle: forks (\d+) .*preemptions (\d+) and resumptions (\d+) .* sampled rows of forked or "
+                  r"resumed requests (\d+)", out)
+    assert m, out[-4000:]
+    forks, preempted, resumed, lineage_rows = map(int, m.groups())
+    assert forks > 0 and preempted > 0 and resumed > 0 and lineage_rows > 0, m.group(0)
+    per_rank = re.findall(r"rank (\d) cpu: .* sampled rows (\d+) max rel err ([0-9.e+-]+), mismatches (\d+)", out)
+    assert sorted(r[0] for r in per_rank) == ["0", "1"], out[-4000:]
+    for _, rows, err, bad in per_rank:
+        assert int(rows) > 0 and int(bad) == 0 and float(err) < 2e-2

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -48,8 +48,9 @@ from ..tp import placement
 from ..tp.devices import resolve_device
 from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
-from . import conv, state
+from . import conv, lifecycle, state
 from .memory import PoolMemory, pool_memory
+from .shard import StateShard
 from ..errors import SlotError
 from .slots import (ERROR_WORDS, FREE_CURSOR, SlotGuard, SlotTable, call_code, check_ids, describe_record, host_ids,
                     is_int, raise_slot_error)
@@ -273,6 +274,32 @@ class ReplaySSMStatePool:
         """The conv windows ``[n, D, W-1]`` (oldest first, ``conv_dtype``) of ``slots [n]`` in ``layer``. Changes
         nothing."""
         return state.read_conv_state(self, layer, slots)
+
+    # ---- a request's life: fork, export, import (pool.lifecycle) ----------------------------------
+
+    def fork(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Make every layer's checkpoint, ring, cursor and conv window of slots ``dst [n]`` those of ``src [n]``
+        (int32 on ``pool.device``), byte for byte: no flush, and the two evolve independently afterwards. A pair
+        with ``dst < 0`` is padding; a pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice
+        in the call (``dst == src`` included) is refused, changes nothing and is recorded for :meth:`check`. No
+        host sync, CUDA-graph capturable (:mod:`tp_replayssm.pool.lifecycle`)."""
+        lifecycle.fork(self, src, dst)
+
+    def export_state(self, slots: torch.Tensor | Sequence[int], *, device: torch.device | str | None = "cpu",
+                     non_blocking: bool = False) -> StateShard:
+        """The materialized state of ``slots [n]`` on this rank as a :class:`StateShard`: fp32 ``states [NL, n,
+        HV_l, V, K]`` (what :meth:`read_state` gives, every layer), conv windows, global head ranges and this
+        pool's metadata, on ``device`` (None: ``pool.device``; CPU: pinned when the pool is on CUDA).
+        ``non_blocking``: the copy runs asynchronously; ``shard.wait()`` blocks until it is done. Changes nothing;
+        reports earlier bad calls (:meth:`check`) and checks ``slots`` on the host first."""
+        return lifecycle.export_state(self, slots, device, non_blocking)
+
+    def import_state(self, slots: torch.Tensor | Sequence[int], shards: StateShard | Iterable[StateShard]) -> None:
+        """Set allocated ``slots [n]`` from ``shards`` (exported by pools of any tp size, together covering this
+        rank's value heads and, with conv state, its q/k heads): checkpoints cast to the state dtype, conv windows
+        to the conv dtype, rings emptied, cursors 0. A shard that does not match (heads, layers, dims, requests,
+        conv kernel) or heads left uncovered raise ``ValueError`` naming both sides before anything is written."""
+        lifecycle.import_state(self, slots, shards)
 
     # ---- the short convolution ------------------------------------------------------------------
 

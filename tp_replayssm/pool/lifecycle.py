@@ -1,0 +1,292 @@
+"""A request's life in the pool beyond decoding: ``fork``, ``export_state``, ``import_state``.
+
+- :func:`fork` makes slots copies of others (a request that shares another's prefix): every layer's checkpoint,
+  ring (d/k/g), the cursor and the conv window of ``dst`` become those of ``src``, byte for byte, so ``read_state``
+  and every later decode of ``dst`` equal ``src``'s until their inputs differ. Torch ops on the device (one gather
+  and one scatter per pool tensor), no host sync, CUDA-graph capturable. A pair is a padding pair when ``dst < 0``;
+  any other pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice among the call's pairs (as
+  a source or a destination, ``dst == src`` included) is refused with no byte of any slot changed, and recorded for
+  ``pool.check()`` under method ``fork``.
+- :func:`export_state` materializes the slots' state (checkpoint plus replayed ring, fp32, every layer) and conv
+  windows into a :class:`~tp_replayssm.pool.shard.StateShard`, on the CPU (pinned, optionally asynchronous) or any
+  device. It changes nothing.
+- :func:`import_state` sets slots from shards of any tensor-parallel size that together cover this rank's heads:
+  checkpoints (cast to the state dtype), conv windows (cast to the conv dtype), empty rings, cursors 0. Everything
+  is validated before the first write.
+
+Export and import synchronize with the device anyway, so both first report earlier bad calls (``pool.check()``)
+and check their own slot ids on the host (:class:`~tp_replayssm.errors.SlotError`), as ``read_state`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..reference import replay_predecayed_ring, replay_ring
+from ..validation import describe
+from . import conv
+from .shard import StateShard
+from .slots import host_ids, raise_slot_error, record_bad_rows
+
+if TYPE_CHECKING:
+    from .pool import ReplaySSMStatePool
+
+__all__ = ["export_state", "fork", "import_state", "materialize", "pair_verdict"]
+
+# the most fp32 state bytes materialized on the pool's device at once by an export (layers are done in chunks)
+EXPORT_CHUNK_BYTES = 256 << 20
+
+
+# ---- fork ---------------------------------------------------------------------------------------------------------
+
+
+def pair_verdict(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ok, bad, shown)`` of fork pairs ``src, dst [n]``: ``ok`` the pairs that copy, ``bad`` the refused pairs
+    (``dst >= 0`` but not ``ok``), ``shown`` the slot a refused pair is recorded with (its ``src`` when the source is
+    at fault, else its ``dst``). A padding pair (``dst < 0``) names no slot, so its ``src`` makes no other pair a
+    repeat. Torch ops, no host sync."""
+    n = src.shape[0]
+    named_src = torch.where(dst >= 0, src, -1)
+    live, _ = conv.row_verdict(pool, torch.cat([named_src, dst]))  # in range, allocated, named once in the call
+    src_ok, dst_ok = live[:n], live[n:]
+    ok = src_ok & dst_ok
+    return ok, (dst >= 0) & ~ok, torch.where(src_ok, dst, src)
+
+
+def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """:meth:`ReplaySSMStatePool.fork`: argument checks (debug mode: the pairs on the host), the pairs' verdict,
+    one gather and one scatter per pool tensor, the record of refused pairs (module docstring)."""
+    where = "ReplaySSMStatePool.fork"
+    for name, t in (("src", src), ("dst", dst)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != pool.device:
+            raise ValueError(f"{where}: `{name}` must be a 1-D torch.int32 tensor on {pool.device}; got {describe(t)}")
+    if src.shape != dst.shape:
+        raise ValueError(f"{where}: `src` and `dst` must have the same length; got {describe(src)} and "
+                         f"{describe(dst)}")
+    if pool.debug:
+        _debug_check_pairs(pool, src, dst, where)
+    if src.shape[0] == 0:
+        return
+    ok, bad, shown = pair_verdict(pool, src, dst)
+    # Refused and padding pairs copy one slot onto itself: the first good pair's source (no good pair writes it,
+    # since sources and destinations are named once), or slot 0 when no pair is good. Every such write puts back
+    # the bytes just read, so the scatter's repeated indices all carry the same values and nothing changes.
+    src_l = src.long()
+    first = src_l.index_select(0, ok.int().argmax().reshape(1))  # (a 0-d index would sync)
+    spare = torch.where(ok.any(), first, 0)
+    from_idx = torch.where(ok, src_l, spare)
+    to_idx = torch.where(ok, dst.long(), spare)
+    for t in (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache, pool.conv_state):
+        if t is not None:
+            t.index_copy_(1, to_idx, t.index_select(1, from_idx))
+    pool.cursors.index_copy_(0, to_idx, pool.cursors.index_select(0, from_idx))
+    guard = pool.guard("fork")
+    record_bad_rows(guard.errors, guard.code, bad, shown)
+
+
+def _debug_check_pairs(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, where: str) -> None:
+    """Debug mode (host sync): every non-padding pair's slots in range, allocated, named once in the call."""
+    pairs = [(s, d) for s, d in zip(src.tolist(), dst.tolist()) if d >= 0]
+    named = [s for s, _ in pairs] + [d for _, d in pairs]
+    pool._debug_check(torch.tensor(named, dtype=torch.int32), f"{where} (pairs {pairs})", allow_padding=False,
+                      unique=True)
+
+
+# ---- export -------------------------------------------------------------------------------------------------------
+
+
+def _host_slots(pool: ReplaySSMStatePool, slots: object, where: str, *, unique: bool) -> list[int]:
+    """The slot ids of an export or import, checked on the host after ``pool.check()``: a 1-D integer tensor on the
+    pool's device or a sequence of ints, each allocated (and, for a write, named once)."""
+    if isinstance(slots, torch.Tensor) and slots.device != pool.device:
+        raise ValueError(f"{where}: `slots` must be on {pool.device} (or a list of ints); got {describe(slots)}")
+    ids = host_ids(slots, where)
+    pool.check()
+    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique))
+    return ids
+
+
+def materialize(pool: ReplaySSMStatePool, idx: torch.Tensor, layers: range) -> torch.Tensor:
+    """The true state ``[len(layers), n, HV_l, V, K]`` fp32 of slots ``idx [n]`` (long, on the pool's device) in
+    ``layers``: the checkpoint plus the ring entries ``j < cursor`` replayed in the pool's layout (what
+    ``read_state`` computes, for all those layers in one batch)."""
+    sel = slice(layers.start, layers.stop)
+    S0, d, k, g = (t[sel].index_select(1, idx).flatten(0, 1)
+                   for t in (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache))
+    cursor = pool.cursors.index_select(0, idx).repeat(len(layers))  # [layers * n], layer-major like the flatten
+    if pool.predecayed:
+        out = replay_predecayed_ring(S0, d, k, g, cursor)
+    else:
+        out = replay_ring(S0, d, k.repeat_interleave(pool.local_heads.group, dim=1), g, cursor)
+    return out.view(len(layers), idx.shape[0], *out.shape[1:])
+
+
+def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device | str | None,
+                 non_blocking: bool) -> StateShard:
+    """:meth:`ReplaySSMStatePool.export_state` (module docstring)."""
+    where = "ReplaySSMStatePool.export_state"
+    try:
+        target = pool.device if device is None else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{where}: `device` must be a torch.device or a device string; got {device!r}") from exc
+    ids = _host_slots(pool, slots, where, unique=False)
+    n, NL, dev = len(ids), pool.num_layers, pool.device
+    loc, shard = pool.local_heads, pool.shard
+    HV, V, K = loc.num_v_heads, loc.value_dim, loc.key_dim
+    idx = torch.tensor(ids, dtype=torch.long, device=dev)
+    pinned = target.type == "cpu" and dev.type == "cuda"  # the device -> host copy runs from pinned memory
+    states = torch.empty(NL, n, HV, V, K, dtype=torch.float32, device=target, pin_memory=pinned)
+    per_layer = max(1, n * HV * V * K * 4)
+    step = max(1, EXPORT_CHUNK_BYTES // per_layer)
+    for start in range(0, NL, step):
+        part = range(start, min(NL, start + step))
+        states[part.start:part.stop].copy_(materialize(pool, idx, part), non_blocking=non_blocking)
+    conv_states = None
+    if pool.conv_state is not None:
+        window = pool.conv_state.index_select(1, idx)
+        conv_states = torch.empty(window.shape, dtype=window.dtype, device=target, pin_memory=pinned)
+        conv_states.copy_(window, non_blocking=non_blocking)
+    copy_done = None
+    if non_blocking and dev.type == "cuda" and target != dev:
+        copy_done = torch.cuda.Event()
+        copy_done.record(torch.cuda.current_stream(dev))
+    return StateShard(
+        heads=pool.heads, tp_rank=pool.tp_rank, tp_size=pool.tp_size, v_head_start=shard.v_head_start,
+        v_head_end=shard.v_head_end, q_head_start=shard.q_head_start, q_head_end=shard.q_head_end,
+        num_layers=NL, ring_length=pool.ring_length, ring_layout=pool.ring_layout, state_dtype=pool.state_dtype,
+        cache_dtype=pool.cache_dtype, conv_kernel_size=pool.conv_kernel_size,
+        conv_dtype=pool.conv_dtype if pool.conv_kernel_size else None, conv_q_channels=K, conv_k_channels=K,
+        conv_v_channels=V, source_slots=tuple(ids), states=states, conv_states=conv_states, copy_done=copy_done)
+
+
+# ---- import -------------------------------------------------------------------------------------------------------
+
+
+def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[StateShard]) -> None:
+    """:meth:`ReplaySSMStatePool.import_state` (module docstring): validate everything, assemble this rank's heads
+    from the shards on the pool's device, then write."""
+    where = "ReplaySSMStatePool.import_state"
+    if isinstance(shards, StateShard):
+        shards = [shards]
+    if not isinstance(shards, Iterable):
+        raise ValueError(f"{where}: `shards` must be an iterable of StateShard; got {type(shards).__name__}")
+    shards = list(shards)
+    if not shards:
+        raise ValueError(f"{where}: `shards` is empty; it must cover this pool's heads ({_pool_text(pool)})")
+    for i, s in enumerate(shards):
+        if not isinstance(s, StateShard):
+            raise ValueError(f"{where}: `shards[{i}]` must be a StateShard; got {type(s).__name__}")
+    ids = _host_slots(pool, slots, where, unique=True)
+    for i, s in enumerate(shards):
+        _check_shard(pool, s, i, len(ids), where)
+    v_src = _cover(pool, shards, "v", where)
+    q_src = _cover(pool, shards, "q", where) if pool.conv_state is not None else []
+    for s in shards:
+        s.wait()
+    if not ids:
+        return
+    dev, shard = pool.device, pool.shard
+    # this rank's value heads, run by run (consecutive heads from one shard), on the pool's device
+    states = _cat([_on(pool, shards[i].states, (slice(None), slice(None),
+                                                 slice(a - shards[i].v_head_start, b - shards[i].v_head_start)))
+                   for i, a, b in _runs(shard.v_heads, v_src)])
+    windows = None
+    if pool.conv_state is not None:  # q block, k block, v block of this rank's channels
+        moved = {i: _on(pool, shards[i].conv_states, ()) for i in sorted(set(q_src) | set(v_src))}
+        pieces = []
+        for kind, heads, src in (("q", shard.q_heads, q_src), ("k", shard.q_heads, q_src),
+                                 ("v", shard.v_heads, v_src)):
+            for i, a, b in _runs(heads, src):
+                cols = slice(shards[i].conv_columns(kind, a).start, shards[i].conv_columns(kind, b - 1).stop)
+                pieces.append(moved[i][:, :, cols])
+        windows = _cat(pieces)
+    idx = torch.tensor(ids, dtype=torch.long, device=dev)
+    pool.checkpoint.index_copy_(1, idx, states.to(pool.state_dtype))
+    for ring in (pool.d_cache, pool.k_cache, pool.g_cache):
+        ring.index_fill_(1, idx, 0)
+    pool.cursors.index_fill_(0, idx, 0)
+    if windows is not None:
+        pool.conv_state.index_copy_(1, idx, windows.to(pool.conv_dtype))
+
+
+def _runs(heads: range, src: list[int]) -> list[tuple[int, int, int]]:
+    """``(shard index, first head, end head)`` of each run of consecutive heads taken from one shard."""
+    runs: list[tuple[int, int, int]] = []
+    for h, i in zip(heads, src):
+        if runs and runs[-1][0] == i and runs[-1][2] == h:
+            runs[-1] = (i, runs[-1][1], h + 1)
+        else:
+            runs.append((i, h, h + 1))
+    return runs
+
+
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """The pieces joined along the head / channel axis (a single piece as it is)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
+def _on(pool: ReplaySSMStatePool, t: torch.Tensor, index: tuple) -> torch.Tensor:
+    """``t[index]`` on the pool's device. A whole tensor moves as it is (asynchronously from pinned memory); a part
+    is cut where it lies first, so only the needed bytes travel."""
+    part = t[index]
+    if part.device != pool.device and not part.is_contiguous():
+        part = part.contiguous()
+    return part.to(pool.device, non_blocking=True)
+
+
+def _pool_text(pool: ReplaySSMStatePool) -> str:
+    sh = pool.shard
+    return (f"rank {pool.tp_rank}/{pool.tp_size} of heads {pool.heads}, {pool.num_layers} layers, value heads "
+            f"[{sh.v_head_start}, {sh.v_head_end}), q/k heads [{sh.q_head_start}, {sh.q_head_end}), "
+            f"conv_kernel_size {pool.conv_kernel_size}")
+
+
+def _check_shard(pool: ReplaySSMStatePool, s: StateShard, i: int, n: int, where: str) -> None:
+    """One shard against the importing pool and against its own ranges (ValueError naming both sides)."""
+    loc = pool.local_heads
+    K, V = loc.key_dim, loc.value_dim
+    pairs = [("heads", s.heads, pool.heads), ("num_layers", s.num_layers, pool.num_layers),
+             ("requests (len(slots))", s.num_requests, n), ("conv_kernel_size", s.conv_kernel_size,
+                                                           pool.conv_kernel_size)]
+    if pool.conv_kernel_size:
+        pairs += [("conv channels per head (q, k, v)", (s.conv_q_channels, s.conv_k_channels, s.conv_v_channels),
+                   (K, K, V))]
+    for name, theirs, ours in pairs:
+        if theirs != ours:
+            raise ValueError(f"{where}: shards[{i}] does not match this pool: {name} {theirs} (shard: "
+                             f"{s.describe()}) vs {ours} (pool: {_pool_text(pool)})")
+    HV_s = s.v_head_end - s.v_head_start
+    if not (0 <= s.v_head_start < s.v_head_end <= s.heads.num_v_heads
+            and 0 <= s.q_head_start < s.q_head_end <= s.heads.num_q_heads):
+        raise ValueError(f"{where}: shards[{i}] has head ranges outside its heads: {s.describe()}")
+    want = (s.num_layers, n, HV_s, V, K)
+    if not isinstance(s.states, torch.Tensor) or tuple(s.states.shape) != want or s.states.dtype != torch.float32:
+        raise ValueError(f"{where}: shards[{i}].states must be a float32 tensor [layers, n, HV_s, V, K] = "
+                         f"{list(want)} ({s.describe()}); got {describe(s.states)}")
+    if s.conv_kernel_size:
+        want = (s.num_layers, n, s.conv_channels, s.conv_kernel_size - 1)
+        c = s.conv_states
+        if not isinstance(c, torch.Tensor) or tuple(c.shape) != want or not c.dtype.is_floating_point:
+            raise ValueError(f"{where}: shards[{i}].conv_states must be a floating tensor [layers, n, D_s, W-1] = "
+                             f"{list(want)} ({s.describe()}); got {describe(c)}")
+
+
+def _cover(pool: ReplaySSMStatePool, shards: list[StateShard], kind: str, where: str) -> list[int]:
+    """For each of this rank's value heads (``kind`` "v") or q/k heads ("q"), the first shard that holds it
+    (ValueError naming the missing heads and every shard's range)."""
+    mine = pool.shard.v_heads if kind == "v" else pool.shard.q_heads
+    found = []
+    for h in mine:
+        holder = next((i for i, s in enumerate(shards) if h in (s.v_heads if kind == "v" else s.q_heads)), None)
+        found.append(holder)
+    missing = [h for h, i in zip(mine, found) if i is None]
+    if missing:
+        what = "value heads" if kind == "v" else "q/k heads (conv channels)"
+        have = ", ".join(f"[{r.start}, {r.stop})" for r in (s.v_heads if kind == "v" else s.q_heads for s in shards))
+        raise ValueError(f"{where}: the shards do not cover this pool's {what} [{mine.start}, {mine.stop}) "
+                         f"(pool: {_pool_text(pool)}): missing {missing}; the shards hold {have}")
+    return found  # type: ignore[return-value]
