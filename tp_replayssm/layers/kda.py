@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..pool.slots import check_ids
+from ..pool.slots import check_ids, raise_slot_error
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
 from .config import KDALayerConfig
@@ -199,7 +199,10 @@ class TPKimiDeltaAttention(torch.nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         cu = _host_cu_seqlens(cu_seqlens, x.shape[0], slots.shape[0], where)
         pool, layer = self.pool, self.layer_idx
-        states = pool.read_state(layer, slots)  # checks the ids (SlotError) before anything is written
+        pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
+        raise_slot_error(where, pool._slots.problems([int(i) for i in slots.tolist()], allow_padding=False,
+                                                     unique=True))
+        states = pool.read_state(layer, slots)
         mixed, a, b, gate = self._project(x)
         if self.conv_weight is not None:
             mixed, windows = packed_conv(mixed, pool.read_conv_state(layer, slots), self.conv_weight,
