@@ -95,7 +95,7 @@ def new_cache() -> Any:
 def run(layer: Any, x: torch.Tensor, cache: Any, cu_seqlens: list[int] | None = None) -> torch.Tensor:
     """FLA's layer with its own cache: ``x [1, T, hidden]`` packed with ``cu_seqlens`` (a prefill of several
     sequences) or ``[N, 1, hidden]`` (one decode token per sequence). Returns the output of ``x``'s shape."""
-    kw = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.long)}
+    kw = {} if cu_seqlens is None else {"cu_seqlens": torch.tensor(cu_seqlens, dtype=torch.long, device=x.device)}
     with torch.no_grad():
         out, _, _ = layer(x, past_key_values=cache, use_cache=True, **kw)
     return out
