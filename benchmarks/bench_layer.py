@@ -81,7 +81,7 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-# ---- timing ---------------------------------------------------------------------------------------------------------
+# ---- timing ----------------------------------------------------------------------------------------------------------
 
 
 def measure(fn: Callable[[], None], steps: int, args: argparse.Namespace) -> float:
@@ -100,7 +100,7 @@ def measure(fn: Callable[[], None], steps: int, args: argparse.Namespace) -> flo
     return statistics.median(times) * 1e6 / steps
 
 
-# ---- one shape --------------------------------------------------------------------------------------------------------
+# ---- one shape -------------------------------------------------------------------------------------------------------
 
 
 def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def fla_steps(fla_layer: Any, xs: list[torch.Tensor], post: list[torch.Tensor], 
     return out
 
 
-# ---- main ---------------------------------------------------------------------------------------------------------
+# ---- main ------------------------------------------------------------------------------------------------------------
 
 
 COLUMNS = ("tp", "B", "n_sets", "layer_us", "proj_us", "conv_us", "rec_us", "out_us", "rec_share", "fla_us",

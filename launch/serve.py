@@ -28,6 +28,7 @@ import argparse
 import collections
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -296,12 +297,13 @@ class Engine:
         from serve_model import FLAModel, PlainModel
 
         kind = self.args.reference
-        if kind == "auto":
-            from tp_replayssm.layers.prefill import fla_chunk_kda
-
-            kind = "fla" if self.device.type == "cuda" and fla_chunk_kda() is not None else "plain"
-        if kind == "fla":
-            return FLAModel(self.cfg, self.weights, self.device), "FLA KimiDeltaAttention layers, fp32, one rank"
+        if kind == "fla" or (kind == "auto" and self.device.type == "cuda"):
+            try:
+                return FLAModel(self.cfg, self.weights, self.device), "FLA KimiDeltaAttention layers, fp32, one rank"
+            except ImportError as exc:
+                if kind == "fla":
+                    raise
+                log.info("FLA's layers are not importable (%s): checking against the plain model", exc)
         return PlainModel(self.cfg, self.weights), "plain float64 model, full recurrence, no pool, one rank"
 
     def _check(self) -> dict[str, Any]:
@@ -342,7 +344,7 @@ class Engine:
         mine = dict(rank=self.rank, device=str(self.device), pool=self.pool.memory.total,
                     per_slot_layer=self.pool.memory.per_slot_layer, params=self.model.parameter_bytes(),
                     generated=self.generated_at_build,
-                    total=sum(_numel(t.shape) for t in self.weights.values()))
+                    total=sum(math.prod(t.shape) for t in self.weights.values()))
         every: list[Any] = [None] * self.world
         self.dist.all_gather_object(every, mine)
         if self.rank == 0:
@@ -375,13 +377,6 @@ class Engine:
             print("\n".join(lines), flush=True)
         if not check["ok"]:
             raise RuntimeError(check["reason"])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 if __name__ == "__main__":

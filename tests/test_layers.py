@@ -9,6 +9,7 @@ row and a forced flush, cursors moved by the fused advance or by ``pool.advance`
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -189,7 +190,7 @@ def test_prefill_leaves_ring_empty_and_cursor_zero() -> None:
               for i, s in enumerate((1, 2))]
     slots = pool.alloc(2)
     g = torch.Generator().manual_seed(0)
-    for step in range(2):
+    for _ in range(2):
         x = torch.randn(2, 64, generator=g)
         for i, layer in enumerate(layers):
             layer(x, slots, advance=i == 1)
@@ -520,9 +521,9 @@ def test_imports_and_runs_without_fla() -> None:
         "else:\n"
         "    raise SystemExit('no error')\n"
         "print('OK')\n")
-    env_path = f"{REPO}:{REPO / 'tests'}"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"})
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TP_REPLAYSSM_CPU_BACKEND")}
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{REPO / 'tests'}"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and "OK" in run.stdout, run.stdout + run.stderr
 
 

@@ -45,8 +45,8 @@ def _results(out: str, nproc: int) -> list[list[str]]:
 def test_serve_end_to_end(tmp_path: Path, nproc: int) -> None:
     """Every request finishes; prefill (in chunks of 5 tokens) and decode report tokens/s; the check against the
     plain float64 model passes with fp32 rings (tight tolerance); only rank 0 prints the summary."""
-    run = _torchrun(tmp_path, nproc, "--requests", "7", "--batch", "3", "--prompt-len", "2", "13", "--new-tokens", "1", "6",
-                    "--prefill-chunk", "5", "--seed", "3")
+    run = _torchrun(tmp_path, nproc, "--requests", "7", "--batch", "3", "--prompt-len", "2", "13", "--new-tokens",
+                    "1", "6", "--prefill-chunk", "5", "--seed", "3")
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert _results(out, nproc) == [["RESULT: OK"]] + [[]] * (nproc - 1), out[-4000:]
