@@ -103,7 +103,9 @@ def measure(fn: Callable[[], None], steps: int, args: argparse.Namespace) -> flo
 # ---- one shape -------------------------------------------------------------------------------------------------------
 
 
-def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, Any]:
+def run_shape(tp: int, B: int, args: argparse.Namespace, fla_layers: Any, fla_rec: Any) -> dict[str, Any]:
+    """One (tp, B) record. ``fla_layers``: the ``fla`` package with its layers, or None; ``fla_rec``: FLA's
+    ``fused_recurrent_kda``, or None."""
     from tp_replayssm import KDAHeads, ReplaySSMStatePool
     from tp_replayssm.layers import TPKimiDeltaAttention
 
@@ -112,8 +114,8 @@ def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, 
     rec: dict[str, Any] = dict(tp=tp, B=B, heads_local=n, hidden=D, K=K, L=L, state=args.state)
     torch.manual_seed(args.seed)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    if fla is not None:
-        fla_layer = fla.layers.KimiDeltaAttention(hidden_size=D, num_heads=n, head_dim=K, conv_size=4,
+    if fla_layers is not None:
+        fla_layer = fla_layers.layers.KimiDeltaAttention(hidden_size=D, num_heads=n, head_dim=K, conv_size=4,
                                                   layer_idx=0).to(dev, dtype).eval()
         for p in fla_layer.parameters():
             p.requires_grad_(False)
@@ -135,7 +137,7 @@ def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, 
     pool = ReplaySSMStatePool(heads, num_layers=1, num_slots=sets * B, ring_length=L, conv_kernel_size=4,
                               state_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[args.state]),
                               device=dev)
-    if fla is not None:
+    if fla_layers is not None:
         layer = TPKimiDeltaAttention.from_fla(source["fla_layer"], pool=pool, layer_idx=0)
     else:
         layer = TPKimiDeltaAttention.from_state_dict(source["weights"], source["cfg"], pool=pool, layer_idx=0,
@@ -145,7 +147,7 @@ def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, 
     xs = [torch.randn(B, D, device=dev, dtype=dtype, generator=g) for _ in range(args.inputs)]
     rec.update(n_sets=sets, slots=sets * B, graph_steps=sets * L, pool_mib=pool.memory.total / 2**20)
 
-    if fla is not None:  # correctness: three steps of both from an empty state
+    if fla_layers is not None:  # correctness: three steps of both from an empty state
         from fla.models.utils import Cache
 
         cache, err = Cache(), 0.0
@@ -183,18 +185,20 @@ def run_shape(tp: int, B: int, args: argparse.Namespace, fla: Any) -> dict[str, 
         outs = [torch.randn(B, n, K, device=dev, dtype=dtype, generator=g) for _ in xs]
         rec["out_us"] = measure(cycle(lambda si, s, j: layer._output(outs[j], projected[j][3])), steps, args)
         rec["rec_share"] = rec["rec_us"] / rec["layer_us"]
-        if fla is not None:
-            rec.update(fla_steps(source["fla_layer"], xs, post, projected, sets, L, B, n, K, args))
+        if fla_layers is not None:
+            rec["fla_us"] = fla_layer_us(source["fla_layer"], xs, sets, L, args)
             rec["speedup"] = rec["fla_us"] / rec["layer_us"]
+        if fla_rec is not None:
+            rec["fla_rec_us"] = fla_rec_us(fla_rec, layer, post, projected, sets, L, B, n, K, args)
+            if "fla_us" in rec:
+                rec["fla_rec_share"] = rec["fla_rec_us"] / rec["fla_us"]
     pool.check()
     return rec
 
 
-def fla_steps(fla_layer: Any, xs: list[torch.Tensor], post: list[torch.Tensor], projected: list[tuple],
-              sets: int, L: int, B: int, n: int, K: int, args: argparse.Namespace) -> dict[str, float]:
-    """FLA's layer step with one Cache per slot set, and its recurrence alone (module docstring)."""
+def fla_layer_us(fla_layer: Any, xs: list[torch.Tensor], sets: int, L: int, args: argparse.Namespace) -> float:
+    """FLA's layer step with one Cache per slot set (module docstring)."""
     from fla.models.utils import Cache
-    from fla.ops.kda import fused_recurrent_kda
 
     caches = []
     for _ in range(sets):  # each cache holds B sequences' states after one step
@@ -207,8 +211,14 @@ def fla_steps(fla_layer: Any, xs: list[torch.Tensor], post: list[torch.Tensor], 
             for t in range(L):
                 fla_layer(xs[(si * L + t) % len(xs)][:, None], past_key_values=caches[si], use_cache=True)
 
-    out = {"fla_us": measure(layer_cycle, sets * L, args)}
-    states = [torch.zeros(B, n, K, K, device=xs[0].device, dtype=torch.float32) for _ in range(sets)]
+    return measure(layer_cycle, sets * L, args)
+
+
+def fla_rec_us(fused_recurrent_kda: Any, layer: Any, post: list[torch.Tensor], projected: list[tuple], sets: int,
+               L: int, B: int, n: int, K: int, args: argparse.Namespace) -> float:
+    """FLA's recurrence alone: ``fused_recurrent_kda`` on the layer's post-conv q/k/v, gate and beta logits for
+    ``B`` sequences of one token, one state per slot set (the call FLA's layer makes on a decode step)."""
+    states = [torch.zeros(B, n, K, K, device=post[0].device, dtype=torch.float32) for _ in range(sets)]
     HK = n * K
     split = [(m[:, :HK].reshape(B, 1, n, K).contiguous(), m[:, HK:2 * HK].reshape(B, 1, n, K).contiguous(),
               m[:, 2 * HK:].reshape(B, 1, n, K).contiguous(), a.reshape(B, 1, n, K).contiguous(),
@@ -218,13 +228,11 @@ def fla_steps(fla_layer: Any, xs: list[torch.Tensor], post: list[torch.Tensor], 
         for si in range(sets):
             for t in range(L):
                 q, k, v, g, beta = split[(si * L + t) % len(split)]
-                fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, A_log=fla_layer.A_log, dt_bias=fla_layer.dt_bias,
+                fused_recurrent_kda(q=q, k=k, v=v, g=g, beta=beta, A_log=layer.A_log, dt_bias=layer.dt_bias,
                                     initial_state=states[si], output_final_state=True, use_qk_l2norm_in_kernel=True,
                                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True)
 
-    out["fla_rec_us"] = measure(rec_cycle, sets * L, args)
-    out["fla_rec_share"] = out["fla_rec_us"] / out["fla_us"]
-    return out
+    return measure(rec_cycle, sets * L, args)
 
 
 # ---- main ------------------------------------------------------------------------------------------------------------
@@ -245,30 +253,48 @@ def table(records: list[dict[str, Any]]) -> list[str]:
     return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
 
 
+def load_fla(off: bool) -> tuple[Any, Any]:
+    """``(fla with its layers, fused_recurrent_kda)``, each None when not importable (FLA's layers need
+    flash-linear-attention and transformers; its recurrence only fla-core) or ``off``."""
+    if off:
+        return None, None
+    fla_layers = fla_rec = None
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+
+        fla_rec = fused_recurrent_kda
+    except Exception as exc:  # noqa: BLE001 - reported, the run goes on without it
+        log(f"bench_layer: FLA's recurrence is not importable ({type(exc).__name__}: {exc}); no fla_rec_us")
+    try:
+        import fla
+        import fla.layers  # noqa: F401
+        import fla.models.utils  # noqa: F401
+
+        fla_layers = fla
+    except Exception as exc:  # noqa: BLE001
+        log(f"bench_layer: FLA's layers are not importable ({type(exc).__name__}: {exc}); no fla_us and no check "
+            "(flash-linear-attention needs transformers and its dependencies)")
+    return fla_layers, fla_rec
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         log("bench_layer: no CUDA device is visible; run it on the GPU machine (or --device cpu for a smoke run)")
         return 2
-    if args.no_fla:  # the tests' random weights (tests/_layer_helpers.py)
-        sys.path.insert(0, str(REPO / "tests"))
-    fla = None
-    if not args.no_fla:
-        import fla as fla_module
-        import fla.layers  # noqa: F401
-        import fla.models.utils  # noqa: F401
-
-        fla = fla_module
+    sys.path.insert(0, str(REPO / "tests"))  # without FLA's layers: the tests' random weights (_layer_helpers)
+    fla_layers, fla_rec = load_fla(args.no_fla)
     torch.backends.cuda.matmul.allow_tf32 = False
     meta = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                fla=getattr(fla, "__version__", None), argv=list(sys.argv[1:] if argv is None else argv))
+                fla=getattr(fla_layers, "__version__", None), fla_layers=fla_layers is not None,
+                fla_recurrence=fla_rec is not None, argv=list(sys.argv[1:] if argv is None else argv))
     log(f"bench_layer: {meta['device']}, torch {meta['torch']}, fla {meta['fla']}; hidden {args.hidden}, "
         f"{args.heads} heads at TP1, K=V={args.head_dim}, L={args.ring_length}, state {args.state}")
     records, failed = [], 0
     for tp in (int(t) for t in args.tp.split(",")):
         for B in (int(b) for b in args.batch.split(",")):
             try:
-                rec = run_shape(tp, B, args, fla)
+                rec = run_shape(tp, B, args, fla_layers, fla_rec)
             except Exception as exc:  # noqa: BLE001 - one shape's failure is recorded, the sweep goes on
                 rec = dict(tp=tp, B=B, error=f"{type(exc).__name__}: {exc}"[:300])
                 log(f"tp {tp} B {B}: FAILED {rec['error']}")

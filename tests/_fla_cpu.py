@@ -23,9 +23,15 @@ from typing import Any
 
 import torch
 
-FLA_AVAILABLE = importlib.util.find_spec("fla") is not None
-SKIP_REASON = ("flash-linear-attention 0.6.0 is not installed (pip install -e .[test,fla]); the FLA-peer tests of "
-               "the layer skip, the float64 plain reimplementation still checks it")
+def _found(*names: str) -> bool:
+    return all(importlib.util.find_spec(n) is not None for n in names)
+
+
+FLA_CORE_AVAILABLE = _found("fla", "einops")  # fla-core: the ops (chunk_kda, fused_recurrent_kda)
+FLA_AVAILABLE = FLA_CORE_AVAILABLE and _found("transformers")  # flash-linear-attention's layers need transformers
+SKIP_REASON = ("flash-linear-attention 0.6.0 (with transformers) is not installed (pip install -e .[test,fla]); the "
+               "FLA-peer tests of the layer skip, the float64 plain reimplementation still checks it")
+SKIP_REASON_CORE = "fla-core 0.6.0 is not installed (pip install -e .[test,fla]): no chunk_kda prefill to test"
 
 
 class _IntWithTo(int):
