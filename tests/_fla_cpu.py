@@ -10,7 +10,9 @@ tests/conftest.py sets before triton is imported) with two workarounds, both app
 - In the interpreter ``range(...)`` inside a kernel yields Python ints, and FLA's chunk kernels call ``.to(tl.int64)``
   on the loop index: ``fla.ops.common.chunk_delta_h`` gets a ``range`` whose ints accept ``.to`` (a no-op).
 
-FLA's interpreted decode step costs about 0.1-0.2 s: keep the shapes tiny and the calls few.
+FLA's interpreted decode step costs about 0.1-0.2 s: keep the shapes tiny and the calls few. Run FLA in fp32 here:
+in the interpreter ``chunk_kda`` on bf16 inputs returns values off by orders of magnitude (its fp32 results and its
+bf16 results on a GPU are right), so a bf16 FLA layer on a CPU is no reference.
 """
 
 from __future__ import annotations
