@@ -1,0 +1,385 @@
+"""The main job: a tensor-parallel Kimi-Linear-style model serving a stream of requests, run with torchrun.
+
+    torchrun --standalone --nproc-per-node 2 launch/serve.py                    # CPU, gloo, a tiny model
+    torchrun --standalone --nproc-per-node 8 launch/serve.py --device cuda --hidden 2304 --heads 32 --v-heads 32 \\
+        --head-dim 128 --ffn 2048 --layers 4 --batch 64 --requests 256 --prompt-len 64 512 --new-tokens 16 64
+    torchrun --standalone --nproc-per-node 2 launch/serve.py --corrupt-weight   # the check fails (exit status 1)
+
+Every rank builds its shard of the model (launch/serve_model.py: embedding, N blocks of RMSNorm -> the library's
+TPKimiDeltaAttention -> residual -> RMSNorm -> a dense MLP standing in for Kimi-Linear's MoE/MLA layers -> residual,
+final norm, LM head) from seeded weights, reading only its slices of the KDA and MLP weights, over one
+ReplaySSMStatePool with a conv window per layer. Requests with different prompt lengths arrive in a queue; the engine
+admits them into free slots (``pool.alloc``), prefills their prompts packed with ``cu_seqlens`` (``--prefill-chunk``
+tokens per request and step: longer prompts are prefilled in pieces, each continuing the slot's state), decodes
+greedily one token per request and step (a fixed batch of one row per slot, padding rows for the others, the last
+layer moving the cursors), and frees a slot when its request has its new tokens. On CPU tensors the library runs its
+PyTorch path; on CUDA the prefill uses flash-linear-attention's chunk_kda when it is installed.
+
+Output: rank 0 shows a progress line on a terminal, then a summary (prefill and decode tokens/s, pool memory and
+weights per rank) and checks every request's greedy tokens and logits against the same model run on rank 0 through
+FLA's layers (``--reference fla``; the default on CUDA when FLA is importable) or a plain float64 PyTorch model of the
+same weights with a full recurrence and no pool (``--reference plain``, always available). It ends with "RESULT: OK";
+on any failure every rank prints one line "RESULT: FAIL <ErrorType>: <reason>" and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from tp_replayssm.tp.distributed import DistEnv
+
+log = logging.getLogger("serve")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """The description as written, and every option's default."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    m = p.add_argument_group("model (seeded random weights, Kimi-Linear's parameter names)")
+    m.add_argument("--layers", type=int, default=2, help="blocks (one KDA layer each)")
+    m.add_argument("--hidden", type=int, default=64, help="hidden size")
+    m.add_argument("--heads", type=int, default=2, help="KDA q/k heads H")
+    m.add_argument("--v-heads", type=int, default=4, help="KDA value heads HV (a multiple of H and of the ranks)")
+    m.add_argument("--head-dim", type=int, default=16, help="K = V = the low-rank gate width")
+    m.add_argument("--ffn", type=int, default=128, help="MLP width (split over the ranks)")
+    m.add_argument("--vocab", type=int, default=256, help="vocabulary size")
+    s = p.add_argument_group("serving")
+    s.add_argument("--requests", type=int, default=12, help="requests in the stream")
+    s.add_argument("--batch", type=int, default=4, help="pool slots = rows of a decode step")
+    s.add_argument("--prompt-len", type=int, nargs=2, default=(3, 24), metavar=("MIN", "MAX"), help="prompt lengths")
+    s.add_argument("--new-tokens", type=int, nargs=2, default=(2, 10), metavar=("MIN", "MAX"),
+                   help="tokens generated per request")
+    s.add_argument("--prefill-chunk", type=int, default=8,
+                   help="prompt tokens per request and prefill step (0: whole prompts)")
+    s.add_argument("--ring-length", type=int, default=4, help="ring length L of the pool")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="weights and activations (None: float32 on cpu, bfloat16 on cuda)")
+    s.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="ring and conv-window dtype (None: the activation dtype)")
+    c = p.add_argument_group("check and run")
+    c.add_argument("--reference", choices=("auto", "plain", "fla"), default="auto",
+                   help="the model the tokens are checked against on rank 0: FLA's layers, or the plain float64 "
+                        "model (auto: fla on cuda when importable, else plain)")
+    c.add_argument("--corrupt-weight", action="store_true",
+                   help="self-test of the check: the last rank scales its shard of layer 0's o_proj by 1.5")
+    c.add_argument("--seed", type=int, default=0, help="seed of the weights and the request stream")
+    c.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
+    c.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO", help="log level")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("layers", "hidden", "heads", "v_heads", "head_dim", "ffn", "vocab", "requests", "batch",
+                 "ring_length"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("prompt_len", "new_tokens"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo <= hi:
+            p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX; got {lo} {hi}")
+    if args.reference == "fla" and args.device != "cuda":
+        p.error("--reference fla needs --device cuda (FLA's Triton kernels; on a CPU use --reference plain)")
+    if args.prefill_chunk < 0:
+        p.error("--prefill-chunk must be >= 0")
+    return args
+
+
+@dataclasses.dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new: int
+    slot: int = -1
+    prefilled: int = 0  # prompt tokens in the slot's state
+    generated: list[int] = dataclasses.field(default_factory=list)
+    logits: list[Any] = dataclasses.field(default_factory=list)  # rank 0: fp32 [vocab] per generated token
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.prompt) and len(self.generated) < self.max_new
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; return its exit status (0: every request checked; 1: see the RESULT line)."""
+    args = parse_args(argv)
+    rank_tag = os.environ.get("RANK", "?")
+    logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stdout,
+                        format=f"%(asctime)s [rank {rank_tag}] %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("helion").setLevel(logging.WARNING)
+    try:
+        from tp_replayssm.tp.distributed import distributed_session
+
+        with distributed_session(args.device, timeout_s=args.timeout) as env:
+            Engine(args, env).run()
+    except Exception as exc:  # noqa: BLE001 - every rank reports its error in one line and exits non-zero
+        text = str(exc).strip() or "(no message)"
+        log.debug("traceback of the failure", exc_info=True)
+        if "\n" in text:
+            log.error("%s: %s", type(exc).__name__, text)
+        print(f"RESULT: FAIL {type(exc).__name__}: {text.splitlines()[0]}", flush=True)
+        return 1
+    return 0
+
+
+class Engine:
+    """One rank's serving loop: admit, prefill, decode, retire; then the summary and the check."""
+
+    def __init__(self, args: argparse.Namespace, env: DistEnv) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from serve_model import ModelConfig, SeededWeights, TPModel
+        from tp_replayssm import ReplaySSMStatePool
+
+        self.torch, self.dist, self.args, self.env = torch, dist, args, env
+        self.rank, self.world, self.device = env.rank, env.world_size, env.device
+        self.dtype = getattr(torch, args.dtype or ("bfloat16" if self.device.type == "cuda" else "float32"))
+        cache = getattr(torch, args.cache_dtype) if args.cache_dtype else self.dtype
+        self.cfg = ModelConfig(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                               v_heads=args.v_heads, head_dim=args.head_dim, ffn=args.ffn, seed=args.seed)
+        self.weights = SeededWeights(self.cfg)
+        group = dist.group.WORLD
+        self.pool = ReplaySSMStatePool(self.cfg.kda().heads, num_layers=args.layers, num_slots=args.batch,
+                                       ring_length=args.ring_length, cache_dtype=cache,
+                                       conv_kernel_size=self.cfg.conv, group=group, device=self.device)
+        self.model = TPModel(self.cfg, self.weights, self.pool, group=group, rank=self.rank, world=self.world,
+                             device=self.device, dtype=self.dtype)
+        self.generated_at_build = self.weights.generated()  # weight elements this rank made (its slices)
+        if args.corrupt_weight and self.rank == self.world - 1:
+            log.warning("corrupting rank %d's shard of layer 0's o_proj (x1.5)", self.rank)
+            self.model.blocks[0]["attn"].o_proj.data.mul_(1.5)
+        g = torch.Generator().manual_seed(args.seed * 7919 + 1)  # the same stream on every rank
+        lens = torch.randint(args.prompt_len[0], args.prompt_len[1] + 1, (args.requests,), generator=g).tolist()
+        news = torch.randint(args.new_tokens[0], args.new_tokens[1] + 1, (args.requests,), generator=g).tolist()
+        self.waiting = collections.deque(
+            Request(i, torch.randint(0, args.vocab, (n,), generator=g).tolist(), m)
+            for i, (n, m) in enumerate(zip(lens, news)))
+        self.active: list[Request] = []
+        self.finished: list[Request] = []
+        self.stats = dict(prefill_tokens=0, prefill_s=0.0, prefill_steps=0, decode_tokens=0, decode_s=0.0,
+                          decode_steps=0, decode_rows=0)
+        self._last_progress = 0.0
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        while self.waiting or self.active:
+            self.admit()
+            if any(r.prefilled < len(r.prompt) for r in self.active):
+                self.prefill_step()
+            if any(r.decoding for r in self.active):
+                self.decode_step()
+            self.retire()
+            self._progress()
+        wall = time.perf_counter() - t0
+        self._progress(final=True)
+        self.pool.check()
+        self._summary(wall, self._check())
+
+    def admit(self) -> None:
+        """Free slots take waiting requests (``pool.alloc``: zero state, empty ring, zero conv window). Restoring a
+        request's saved state instead of prefilling it (``pool.import_state``, prefix caching) plugs in here."""
+        n = min(self.pool.num_free, len(self.waiting))
+        if n:
+            for req, slot in zip([self.waiting.popleft() for _ in range(n)], self.pool.alloc(n).tolist()):
+                req.slot = slot
+                self.active.append(req)
+
+    def prefill_step(self) -> None:
+        """One packed prefill of the next ``--prefill-chunk`` prompt tokens of every request still prefilling (each
+        continues its slot's state; the last layer sets the cursors to 0). A request whose prompt is done gets its
+        first token from the logits of its last prompt token."""
+        torch, chunk = self.torch, self.args.prefill_chunk
+        reqs = [r for r in self.active if r.prefilled < len(r.prompt)]
+        pieces = [r.prompt[r.prefilled: r.prefilled + chunk] if chunk else r.prompt[r.prefilled:] for r in reqs]
+        cu = [0]
+        for p in pieces:
+            cu.append(cu[-1] + len(p))
+        self._sync()
+        t0 = time.perf_counter()
+        tokens = torch.tensor([t for p in pieces for t in p], device=self.device)
+        slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
+        logits = self.model.forward(tokens, slots, torch.tensor(cu, dtype=torch.int32, device=self.device))
+        nxt = self._greedy(logits)
+        self._sync()
+        self.stats["prefill_s"] += time.perf_counter() - t0
+        self.stats["prefill_tokens"] += cu[-1]
+        self.stats["prefill_steps"] += 1
+        for i, (r, p) in enumerate(zip(reqs, pieces)):
+            r.prefilled += len(p)
+            if r.prefilled == len(r.prompt):
+                self._emit(r, nxt[i], logits[i])
+
+    def decode_step(self) -> None:
+        """One greedy token for every decoding request: a fixed batch of one row per slot (padding rows, slot -1,
+        for the others), the last layer moving the cursors. Speculative decoding plugs in here: with draft tokens a
+        step runs every layer's ``pool.verify`` on ``[B, T]`` drafts, then ``pool.commit`` of the accepted ones."""
+        torch = self.torch
+        rows: list[Request | None] = [None] * self.pool.num_slots
+        for r in self.active:
+            if r.decoding:
+                rows[r.slot] = r
+        self._sync()
+        t0 = time.perf_counter()
+        tokens = torch.tensor([r.generated[-1] if r else 0 for r in rows], device=self.device)
+        slots = torch.tensor([r.slot if r else -1 for r in rows], dtype=torch.int32, device=self.device)
+        logits = self.model.forward(tokens, slots)
+        nxt = self._greedy(logits)
+        self._sync()
+        live = [i for i, r in enumerate(rows) if r is not None]
+        self.stats["decode_s"] += time.perf_counter() - t0
+        self.stats["decode_tokens"] += len(live)
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(rows)
+        for i in live:
+            self._emit(rows[i], nxt[i], logits[i])
+
+    def retire(self) -> None:
+        """Requests with all their tokens give their slot back (``pool.free``). Exporting a finished or preempted
+        request's state (``pool.export_state``) or forking it for parallel sampling (``pool.fork``) plugs in here."""
+        done = [r for r in self.active if r.prefilled == len(r.prompt) and len(r.generated) >= r.max_new]
+        if done:
+            self.pool.free([r.slot for r in done])
+            self.active = [r for r in self.active if r not in done]
+            self.finished += done
+
+    # ---- helpers ----------------------------------------------------------------------------------
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        """Argmax per row, rank 0's broadcast (so every rank feeds the same tokens even if its logits differed)."""
+        nxt = logits.argmax(-1)
+        self.dist.broadcast(nxt, src=0)
+        return nxt.tolist()
+
+    def _emit(self, r: Request, token: int, logits: torch.Tensor) -> None:
+        r.generated.append(int(token))
+        if self.rank == 0:
+            r.logits.append(logits.detach().float().cpu())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def _progress(self, final: bool = False) -> None:
+        if self.rank != 0 or not sys.stderr.isatty():
+            return
+        now = time.perf_counter()
+        if not final and now - self._last_progress < 0.1:
+            return
+        self._last_progress = now
+        s, n = self.stats, self.args.requests
+        line = (f"\r[serve] requests {len(self.finished)}/{n} done, {len(self.active)} active, {len(self.waiting)} "
+                f"waiting | prefill {s['prefill_tokens']} tok | decode {s['decode_tokens']} tok")
+        sys.stderr.write(line + ("\n" if final else ""))
+        sys.stderr.flush()
+
+    # ---- the check and the summary ----------------------------------------------------------------
+
+    def _reference(self) -> tuple[Any, str]:
+        from serve_model import FLAModel, PlainModel
+
+        kind = self.args.reference
+        if kind == "fla" or (kind == "auto" and self.device.type == "cuda"):
+            try:
+                return FLAModel(self.cfg, self.weights, self.device), "FLA KimiDeltaAttention layers, fp32, one rank"
+            except ImportError as exc:
+                if kind == "fla":
+                    raise
+                log.info("FLA's layers are not importable (%s): checking against the plain model", exc)
+        return PlainModel(self.cfg, self.weights), "plain float64 model, full recurrence, no pool, one rank"
+
+    def _check(self) -> dict[str, Any]:
+        """Rank 0: every request's logits and greedy tokens against the reference run teacher-forced on the
+        request's prompt and tokens. A token that is not the reference's argmax fails unless the two logits lie
+        within the tolerance (a near tie). The verdict goes to every rank."""
+        torch = self.torch
+        verdict: list[Any] = [None]
+        if self.rank == 0:
+            t0 = time.perf_counter()
+            ref, what = self._reference()
+            tol = 1e-4 if self.dtype == torch.float32 and self.pool.cache_dtype == torch.float32 else 5e-2
+            err, mismatches, ties, tokens = 0.0, [], 0, 0
+            for r in self.finished:
+                want = ref.logits(r.prompt + r.generated[:-1])[len(r.prompt) - 1:]  # [n_gen, vocab]
+                got = torch.stack(r.logits).double()
+                scale = float(want.abs().max())
+                err = max(err, float((got - want).abs().max()) / scale)
+                for j, tok in enumerate(r.generated):
+                    best = int(want[j].argmax())
+                    tokens += 1
+                    if tok != best:
+                        if float(want[j, best] - want[j, tok]) <= tol * scale:
+                            ties += 1
+                        else:
+                            mismatches.append((r.rid, j, tok, best))
+            ok = err <= tol and not mismatches
+            reason = None if ok else (f"logits rel err {err:.2e} (tol {tol:.0e}), {len(mismatches)} greedy tokens "
+                                      f"differ from the reference {mismatches[:3]}")
+            verdict[0] = dict(ok=ok, reason=reason, what=what, err=err, tol=tol, tokens=tokens, ties=ties,
+                              mismatches=len(mismatches), seconds=time.perf_counter() - t0)
+        self.dist.broadcast_object_list(verdict, src=0)
+        return verdict[0]
+
+    def _summary(self, wall: float, check: dict[str, Any]) -> None:
+        from serve_model import describe_bytes
+
+        mine = dict(rank=self.rank, device=str(self.device), pool=self.pool.memory.total,
+                    per_slot_layer=self.pool.memory.per_slot_layer, params=self.model.parameter_bytes(),
+                    generated=self.generated_at_build,
+                    total=sum(math.prod(t.shape) for t in self.weights.values()))
+        every: list[Any] = [None] * self.world
+        self.dist.all_gather_object(every, mine)
+        if self.rank == 0:
+            s, a, c = self.stats, self.args, self.cfg
+            pre = s["prefill_tokens"] / max(s["prefill_s"], 1e-9)
+            dec = s["decode_tokens"] / max(s["decode_s"], 1e-9)
+            lines = [
+                "=" * 72,
+                f"serve summary: {self.world} ranks on {self.device.type}, {c.layers} blocks, hidden {c.hidden}, KDA "
+                f"H={c.heads} HV={c.v_heads} K=V={c.head_dim}, MLP {c.ffn}, vocab {c.vocab}, {self.dtype}, pool "
+                f"{a.batch} slots, L={a.ring_length}, cache {self.pool.cache_dtype}",
+                f"  requests {len(self.finished)}: prompts {sum(len(r.prompt) for r in self.finished)} tokens, "
+                f"generated {sum(len(r.generated) for r in self.finished)} tokens, wall {wall:.2f} s",
+                f"  prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s = {pre:.1f} tokens/s "
+                f"({s['prefill_steps']} packed steps, chunk {a.prefill_chunk or 'whole prompt'})",
+                f"  decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s = {dec:.1f} tokens/s "
+                f"({s['decode_steps']} steps of {a.batch} rows, {s['decode_tokens'] / max(s['decode_rows'], 1):.0%} "
+                f"live)",
+            ]
+            for r in every:
+                lines.append(f"  rank {r['rank']} {r['device']}: pool {describe_bytes(r['pool'])} "
+                             f"({r['per_slot_layer']} B per slot and layer); weights {describe_bytes(r['params'])} "
+                             f"(made {r['generated']} of the checkpoint's {r['total']} elements: its slices and the "
+                             f"replicated ones)")
+            lines.append(f"  check against the {check['what']} ({check['seconds']:.1f} s): {check['tokens']} tokens, "
+                         f"max logits rel err {check['err']:.2e} (tol {check['tol']:.0e}), {check['mismatches']} "
+                         f"greedy mismatches, {check['ties']} near ties")
+            lines.append("  RESULT: OK" if check["ok"] else f"  check FAILED: {check['reason']}")
+            lines.append("=" * 72)
+            print("\n".join(lines), flush=True)
+        if not check["ok"]:
+            raise RuntimeError(check["reason"])
+
+
+if __name__ == "__main__":
+    if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package
+        sys.path.insert(1, os.path.dirname(sys.path[0]))
+    sys.exit(main())
