@@ -13,8 +13,8 @@ if [ "${TP_REPLAYSSM_DEVICE_SETUP:-}" = "$PWD" ]; then
 fi
 if python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
      .devwheels/*.whl > "$OUT/setup.log" 2>&1 \
-   && python3 -c "import torch, triton, helion; print('torch', torch.__version__, 'triton', triton.__version__, \
-'helion', helion.__version__, torch.cuda.get_device_name())" >> "$OUT/setup.log" 2>&1; then
+   && python3 -c "import torch, triton, helion, importlib.metadata as m; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'helion', m.version('helion'), torch.cuda.get_device_name())" >> "$OUT/setup.log" 2>&1; then
   tail -1 "$OUT/setup.log"; rm -f "$OUT/setup.log"
   export TP_REPLAYSSM_DEVICE_SETUP=$PWD
 else

@@ -70,7 +70,9 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
     from tp_replayssm.kernels.args import decode_kernel_args
     from tp_replayssm.kernels.launch import spare_guard
 
-    call, dims = example_call(plan, state, heads)
+    # 64 rows, or fewer where the pool's count of the rows naming a slot covers only that many in one load (a plan
+    # made for B <= 16 has no loop for more rows: compiling it for 64 would add one)
+    call, dims = example_call(plan, state, heads, batch=min(64, plan.named_block) if plan.cursor_table else 64)
     args = decode_kernel_args(call, dims, plan, 0.1, call.force_flush, spare_guard(torch.device("cpu"))).values
     config, maxnreg = plan.config, plan.maxnreg
     warps = config.config["num_warps"]

@@ -61,19 +61,21 @@ def cursor_advance_kernel(
         hl.inline_triton(_BARRIER, args=(), output_like=None)  # every read before any store
         # the moved cursor, or the cursor as it was (its count cleared) for a bad row or the scratch entry
         hl.store(cursors, [idx], torch.where(ok, torch.where(flushed, 0, c + 1), c))
-        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record). One
-        # scalar atomic per word (the whole batch is this one tile); each bad row's place is a prefix count
-        bad = torch.where((slot >= 0) & (ok == 0), 1, 0)
+        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record). Only
+        # when there are any (no atomic on the every-step path); one scalar atomic per record word (the whole batch is
+        # this one tile), each bad row's place a prefix count
+        bad = torch.where((slot >= 0) & (ok == 0), 1, 0).to(torch.int32)
         n_bad = torch.sum(bad, dim=0).to(torch.int32)
-        code = call_code[0]
-        first = hl.atomic_cas(slot_errors, [0], torch.where(n_bad > 0, 0, -1), code)  # no bad row: never matches
-        hl.atomic_add(slot_errors, [2], n_bad)
-        mine = (first == 0) | (first == code)
-        base = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
-        at = base + hl.cumsum(bad, 0) - bad
-        keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md, masks)
-        hl.store(slot_errors, [4 + 2 * at], tile_b.index, extra_mask=keep)
-        hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
+        if n_bad > 0:
+            code = call_code[0]
+            first = hl.atomic_cas(slot_errors, [0], n_bad * 0, code)  # int32 operands, as the pointer's
+            hl.atomic_add(slot_errors, [2], n_bad)
+            mine = (first == 0) | (first == code)
+            base = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
+            at = base + hl.cumsum(bad, 0) - bad
+            keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md)
+            hl.store(slot_errors, [4 + 2 * at], tile_b.index, extra_mask=keep)
+            hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
     return cursors
 
 

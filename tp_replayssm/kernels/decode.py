@@ -95,6 +95,10 @@ def replayssm_decode_kernel(
         else:
             kh = h
             k_owner = sub == 0  # the q/k head's first value head appends its key
+        if cursors_by_slot:  # the call's slots, to count the rows that name this row's slot (issued first: its
+            # latency overlaps the slot -> cursor chain; see below)
+            others = hl.arange(named_block)
+            named_tile = hl.load(slots, [others], extra_mask=others < B)
         slot = slots[row]
         if slot >= 0:
             # slot safety (docs/contract.md): a slot >= S, a cursor outside [0, L-1] (a free slot's is FREE_CURSOR)
@@ -119,13 +123,15 @@ def replayssm_decode_kernel(
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
                 cur = write_pos[row]
-            ok = in_range & (cur >= 0) & (cur < ring_length)
-            if cursors_by_slot:  # how many rows of the call name this slot (the scan overlaps the cursor read)
-                named = slot * 0
-                for nb in hl.grid(0, B, named_block):
-                    others = nb + hl.arange(named_block)
-                    same = (hl.load(slots, [others], extra_mask=others < B) == slot) & (others < B)
-                    named = named + torch.sum(torch.where(same, 1, 0), dim=0).to(torch.int32)
+            cur_ok = in_range & (cur >= 0) & (cur < ring_length)
+            ok = cur_ok
+            if cursors_by_slot:  # how many rows of the call name this slot
+                named = torch.sum(torch.where((named_tile == slot) & (others < B), 1, 0), dim=0).to(torch.int32)
+                if B > named_block:  # batches past one tile: the rest in a loop
+                    for nb in hl.grid(named_block, B, named_block):
+                        more = nb + hl.arange(named_block)
+                        same = (hl.load(slots, [more], extra_mask=more < B) == slot) & (more < B)
+                        named = named + torch.sum(torch.where(same, 1, 0), dim=0).to(torch.int32)
                 if on_gpu:  # lane 0's count to every lane: ptxas then knows it is warp-uniform, and the branches
                     # below need no divergent-warp code for their shuffles (which doubled the SASS and spilled)
                     named = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [named],
@@ -135,7 +141,9 @@ def replayssm_decode_kernel(
                 if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):
                     write_pos[s64] = torch.where(
                         ok, torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1), cur)
-            cur = torch.where(ok, cur, 0)  # a refused row still addresses its slot's first ring entry only
+            # a cursor out of range still addresses its slot's first ring entry only (this depends on the cursor alone,
+            # not on the count above, so the ring loads below need not wait for it)
+            cur = torch.where(cur_ok, cur, 0)
             forced = force_flush[row]
             append = (cur != ring_length - 1) & (forced == 0)  # else this step flushes the row
             j = hl.arange(ring_block)

@@ -42,8 +42,8 @@ MMA_CHUNK_STAGES = 3
 # cursors, and with the pool's cursor table (whose scan for slots named twice adds a load before the two later ones)
 STATE_LOADS = (1, 13, 16)
 STATE_LOADS_CURSOR_TABLE = (1, 14, 17)
-# rows per step of the pool's scan for slots named twice in one call (one step up to this batch)
-NAMED_BLOCK = 256
+# rows of the pool's count of the rows naming a slot that one load covers (one load up to this batch)
+NAMED_BLOCK = 512
 # the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
 H200_SMS = 132
 

@@ -187,4 +187,4 @@ def record_bad_rows(errors: torch.Tensor, code: torch.Tensor, bad: torch.Tensor,
     at = torch.where(keep, 4 + 2 * pos, torch.full_like(pos, 3)).long()  # word 3 takes the rows not kept
     errors.index_put_((at,), torch.where(keep, order.to(errors.dtype), errors[3]))
     errors.index_put_((torch.where(keep, at + 1, 3),), torch.where(keep, slots[order].to(errors.dtype), errors[3]))
-    errors[3] = 0
+    errors[3].zero_()  # (a Python value assigned would be a host-to-device copy, refused in graph capture)
