@@ -147,11 +147,11 @@ def replayssm_verify_kernel(
                 if tree:
                     reach = eye + torch.where((par[:, None] == tt[None, :]) & tlive[:, None], 1.0, 0.0)
                     for _ in hl.static_range(doubling_steps):  # paths of length <= 2^k, then 2^(k+1)
-                        reach = torch.where(hl.dot(reach, reach) > 0.5, 1.0, 0.0)
+                        reach = torch.where(torch.sum(reach[:, :, None] * reach[None, :, :], dim=1) > 0.5, 1.0, 0.0)
                     anc = reach
                 else:
                     anc = torch.where(tt[None, :] <= tt[:, None], 1.0, 0.0)
-                gam = hl.dot(anc, gd)  # [Tb, K] the path sums of the gates from the committed state
+                gam = torch.sum(anc[:, :, None] * gd[None, :, :], dim=1)  # [Tb, K] path sums of the gates
                 if predecayed_ring:
                     tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
                     kring = torch.where(valid[:, None], k_ring.to(torch.float32), 0.0)  # kt_j
@@ -160,7 +160,7 @@ def replayssm_verify_kernel(
                 drop = fold  # the committed ring goes to the checkpoint (a fold or a rebase)
                 if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
                     low = torch.amin(torch.amin(torch.where(tlive[:, None], tot[None, :] + gam, 0.0), dim=1), dim=0)
-                    rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0)  # -PREDECAYED_MAX_LOG_DECAY
+                    rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # -75: the bound
                     if on_gpu:
                         rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
                                                            dtype=torch.int32, is_pure=True, pack=1)
@@ -171,22 +171,36 @@ def replayssm_verify_kernel(
                 ak = e_abs * kd  # [Tb, K]: the checkpoint's part of S' @ k_t is S0 @ ak_t
                 aq = e_abs * qd
                 if predecayed_ring:  # kt_j . ak_t = k_j . exp(G_t - G_j) k_t
-                    wk = hl.dot(kring, ak.T)  # [Lb, Tb]
-                    wq = hl.dot(kring, aq.T)
+                    rk = ak
+                    rq = aq
                 else:  # the keys are decayed to the committed state: the draft's own decay only
-                    wk = hl.dot(kring, (e_rel * kd).T)
-                    wq = hl.dot(kring, (e_rel * qd).T)
+                    rk = e_rel * kd
+                    rq = e_rel * qd
                 kt_rel = kd * torch.exp(torch.where(gam > -88.0, -gam, 88.0))  # (finite past e^88: docs/spec.md)
-                m_k = hl.dot(kt_rel, (e_rel * kd).T)  # [Tb(u), Tb(t)] = k_u . exp(Gam_t - Gam_u) k_t
-                m_q = hl.dot(kt_rel, (e_rel * qd).T)
+                akr = e_rel * kd
+                aqr = e_rel * qd
+                wk = hl.zeros([ring_block, draft_block], torch.float32)  # [Lb, Tb] = kring @ rk^T
+                wq = hl.zeros([ring_block, draft_block], torch.float32)
+                m_k = eye * 0.0  # [Tb(u), Tb(t)] = k_u . exp(Gam_t - Gam_u) k_t
+                m_q = eye * 0.0
+                for t in hl.static_range(T):  # one draft at a time: [Lb, K] and [Tb, K] reductions
+                    pick = tt == t
+                    rk_t = torch.sum(torch.where(pick[:, None], rk, 0.0), dim=0)
+                    rq_t = torch.sum(torch.where(pick[:, None], rq, 0.0), dim=0)
+                    wk = wk + torch.where(pick[None, :], torch.sum(kring * rk_t[None, :], dim=1)[:, None], 0.0)
+                    wq = wq + torch.where(pick[None, :], torch.sum(kring * rq_t[None, :], dim=1)[:, None], 0.0)
+                    kt_t = torch.sum(torch.where(pick[:, None], kt_rel, 0.0), dim=0)
+                    m_k = m_k + torch.where(pick[:, None], torch.sum(akr * kt_t[None, :], dim=1)[None, :], 0.0)
+                    m_q = m_q + torch.where(pick[:, None], torch.sum(aqr * kt_t[None, :], dim=1)[None, :], 0.0)
                 anc_t = anc.T  # [u, t]: u on t's path
                 n_mat = m_k * (anc_t - eye) * beta[None, :]
                 power = -n_mat  # P = -N: (I + N)^-1 = I + P + P^2 + ... = (I + P)(I + P^2)(I + P^4)...
                 w_inv = eye + power
-                for _ in hl.static_range(doubling_steps - 1):  # (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...
-                    power = hl.dot(power, power)
-                    w_inv = hl.dot(w_inv, eye + power)
-                w_out = hl.dot(w_inv, m_q * anc_t)  # [Tb, Tb]
+                if doubling_steps > 1:  # (an empty static range does not trace)
+                    for _ in hl.static_range(doubling_steps - 1):
+                        power = torch.sum(power[:, :, None] * power[None, :, :], dim=1)
+                        w_inv = torch.sum(w_inv[:, :, None] * (eye + power)[None, :, :], dim=1)
+                w_out = torch.sum(w_inv[:, :, None] * (m_q * anc_t)[None, :, :], dim=1)  # [Tb, Tb]
                 # per-head ring rows: the drafts' gates and keys at base + t, and a rebase's new base G_{c-1} = 0
                 if predecayed_ring:
                     g_store = torch.where(drop, 0.0, 1.0) * tot[None, :] + gam  # G_t along the draft's own path
@@ -232,18 +246,25 @@ def replayssm_verify_kernel(
                     d_c = hl.load(d_rows, [dr_base + j * dr_l, rows],
                                   extra_mask=valid[:, None] & live[None, :]).to(torch.float32)  # [Lb, Vc]
                     v_c = hl.load(v4, [row, tt, hv, rows], extra_mask=tlive[:, None] & live[None, :]).to(torch.float32)
-                    d_t = d_c.T
-                    pk = hl.dot(s0, ak.T) + hl.dot(d_t, wk)  # [Vc, Tb]
-                    pq = hl.dot(s0, aq.T) + hl.dot(d_t, wq)
+                    # the drafts' products with the committed state: [Vc, Tb] = sum over K (and over the ring)
+                    pk = torch.sum(s0[:, None, :] * ak[None, :, :], dim=2) + torch.sum(d_c[:, :, None] * wk[:, None, :], dim=0)
+                    pq = torch.sum(s0[:, None, :] * aq[None, :, :], dim=2) + torch.sum(d_c[:, :, None] * wq[:, None, :], dim=0)
                     resid = (v_c.T - pk) * beta[None, :]
-                    delta = hl.dot(resid, w_inv)  # [Vc, Tb]
-                    o_c = pq + hl.dot(resid, w_out)
+                    delta = torch.sum(resid[:, :, None] * w_inv[None, :, :], dim=1)  # [Vc, Tb]
+                    o_c = pq + torch.sum(resid[:, :, None] * w_out[None, :, :], dim=1)
                     hl.store(out4, [row, tt, hv, rows], o_c.T.to(out4.dtype), extra_mask=tlive[:, None] & live[None, :])
-                    if drop:  # the committed state of these rows
-                        if predecayed_ring:
-                            s_c = (s0 + hl.dot(d_t, kring)) * decay[None, :]
-                        else:
-                            s_c = s0 * decay[None, :] + hl.dot(d_t, kring)
+                    if drop:  # the committed state of these rows: the ring replayed as rank-1 updates (rare). The
+                        # keys come from the prologue's registers: the head's last program may already have written
+                        # the drafts' rows over the committed ones
+                        ring_c = s0 * 0.0
+                        for back in hl.grid(cur):
+                            k_j = torch.sum(torch.where((j == back)[:, None], kring, 0.0), dim=0)
+                            d_j = hl.load(d_rows, [dr_base + back * dr_l, rows], extra_mask=live).to(torch.float32)
+                            ring_c = ring_c + d_j[:, None] * k_j[None, :]
+                        if predecayed_ring:  # kt_j: the sum is decayed with the checkpoint
+                            s_c = (s0 + ring_c) * decay[None, :]
+                        else:  # k_j already decayed to the committed state
+                            s_c = s0 * decay[None, :] + ring_c
                         hl.store(state_rows, [st_base + rows * st_v, slice(None)], s_c.to(state_rows.dtype),
                                  extra_mask=live[:, None])
                     # other threads may still read the committed deltas these stores overwrite (a fold's rows

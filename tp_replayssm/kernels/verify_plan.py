@@ -8,7 +8,8 @@ own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``), which :
 The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds several
 ``[Tb, K]`` fp32 tiles of the drafts, ``Tb >= 16``, which one warp cannot keep in registers); the narrowest value tile
 of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM (more programs in
-flight where the grid is small), else the whole ``V``; chunks of 16 rows.
+flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk step's
+``[Vc, Tb, K]`` products in registers: 168 registers per thread at ``T = 4``, K = 128).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of"]
 
 # resident 4-warp verify programs per SM assumed by the value-tile rule
 PROGRAMS_PER_SM = 4
-VALUE_CHUNK = 16
+# value rows x draft rows per chunk step: the [Vc, Tb, K] products of a step stay at 8 rows x 4 drafts, 168 registers
+# with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
+CHUNK_DRAFT_ROWS = 32
 NUM_WARPS = 4
 
 
@@ -104,8 +107,8 @@ class VerifyPlan:
         if self.tile_readers != -(-problem.value_dim // self.value_tile):
             raise ValueError(f"VerifyPlan: `tile_readers` must be ceil(V / value_tile) = "
                              f"{-(-problem.value_dim // self.value_tile)}; got {self.tile_readers}")
-        if self.value_chunk < 16 or self.value_chunk & (self.value_chunk - 1) or self.value_chunk > self.value_tile:
-            raise ValueError(f"VerifyPlan: `value_chunk` must be a power of two in [16, value_tile]; got "
+        if self.value_chunk < 1 or self.value_chunk & (self.value_chunk - 1) or self.value_chunk > self.value_tile:
+            raise ValueError(f"VerifyPlan: `value_chunk` must be a power of two in [1, value_tile]; got "
                              f"{self.value_chunk}")
 
 
@@ -141,9 +144,10 @@ def plan_verify(problem: VerifyProblem) -> VerifyPlan:
         mode = 1
     else:
         mode = 2
+    draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
     return VerifyPlan(
-        value_tile=vt, value_chunk=min(VALUE_CHUNK, vt), num_warps=NUM_WARPS,
-        draft_block=max(16, 1 << (problem.drafts - 1).bit_length()), predecayed_ring=mode, tree=problem.tree,
+        value_tile=vt, value_chunk=min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block)), num_warps=NUM_WARPS,
+        draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
         on_gpu=problem.device_type == "cuda", ring_length=problem.ring_length,
