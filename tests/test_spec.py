@@ -331,6 +331,11 @@ def test_arguments_are_checked_before_anything_is_written() -> None:
         pool.commit(ids, torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"`path` must be an int32 tensor of shape \[2, 3\]"):
         pool.commit(ids, torch.zeros(2, dtype=torch.int32), path=torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"layers \[1\] of 2 were not verified in this step"):
+        pool.commit(ids, torch.zeros(2, dtype=torch.int32))
+    assert rel(read_states(pool, [0, 2]), read_states(twin, [0, 2])) < 1e-6  # nothing a reader sees changed
+    p1 = model.params[1]
+    pool.verify(1, d.mixed[1], d.a[1], d.b[1], p1.A_log, p1.dt_bias, ids, conv_weight=model.conv[1])
     pool.commit(ids, torch.zeros(2, dtype=torch.int32))
     pool.check()
 

@@ -216,7 +216,8 @@ class ReplaySSMStatePool:
         out = torch.tensor(ids, dtype=torch.int32, device=self.device)
         if n:
             idx = out.long()
-            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state):
+            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state,
+                      getattr(self, "spec_folded", None)):  # (spec_folded: pool/spec.py)
                 if t is not None:
                     t.index_fill_(1, idx, 0)
             self.cursors.index_fill_(0, idx, 0)

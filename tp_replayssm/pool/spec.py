@@ -44,7 +44,8 @@ class SpecStep:
     batch: int
     drafts: int
     parents: torch.Tensor | None
-    conv_layers: set[int] = dataclasses.field(default_factory=set)
+    layers: set[int] = dataclasses.field(default_factory=set)  # the layers verified so far
+    conv_layers: set[int] = dataclasses.field(default_factory=set)  # those that ran the conv
 
 
 def _spec_tensors(pool: ReplaySSMStatePool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,6 +117,7 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     call = VerifyCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, pool.cursors, parents,
                       folded[layer], counters, use_qk_l2norm_in_kernel, lower_bound)
     run_verify(call, dims, ring_layout=pool.ring_layout, guard=pool.guard("verify", layer), where=where)
+    step.layers.add(layer)
     return out
 
 
@@ -143,6 +145,10 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
     if step is None:
         raise ValueError(f"{where}: no verify since the last commit (commit follows every layer's verify of a step)")
     validate_commit(slots, num_accepted, path, batch=step.batch, drafts=step.drafts, device=pool.device, where=where)
+    missing = sorted(set(range(pool.num_layers)) - step.layers)
+    if missing:  # their rings hold no drafts: committing would move their cursors over stale entries
+        raise ValueError(f"{where}: every layer's verify comes before the commit; layers {missing} of "
+                         f"{pool.num_layers} were not verified in this step")
     if pool.debug:
         pool._debug_check(slots, where, allow_padding=True, unique=True)
         par = (chain_parents(step.batch, step.drafts, pool.device) if step.parents is None
@@ -166,7 +172,7 @@ def read_state_in_flight(pool: ReplaySSMStatePool, layer: int, slots: torch.Tens
     """``states`` (read by the ring) with the slots whose committed ring this step's verify of ``layer`` folded
     (``spec_folded``) replaced by their checkpoint, which holds their committed state until the commit."""
     folded = getattr(pool, "spec_folded", None)
-    if folded is None:
+    if folded is None or getattr(pool, "_spec_step", None) is None:  # no step in flight: commit cleared the marks
         return states
     idx = slots.long()
     mark = folded[layer].index_select(0, idx) != 0
