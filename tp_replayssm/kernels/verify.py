@@ -125,6 +125,10 @@ def replayssm_verify_kernel(
             valid = (j < cur) & (j < ring_length)
             st_base = s64 * st_s + hv * st_h
             dr_base = s64 * dr_s + hv * dr_h
+            # the first value chunk's loads go out now, so their latency overlaps the prologue below
+            lead = tv.begin + hl.arange(value_chunk)
+            s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)], extra_mask=(lead < tv.end)[:, None])
+            d_next = hl.load(d_rows, [dr_base + j * dr_l, lead], extra_mask=valid[:, None] & (lead < tv.end)[None, :])
             k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             if predecayed_ring:
                 g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
@@ -241,10 +245,12 @@ def replayssm_verify_kernel(
                 for chunk in hl.grid(tv.begin, tv.end, value_chunk):
                     rows = chunk + hl.arange(value_chunk)
                     live = rows < tv.end
-                    s0 = hl.load(state_rows, [st_base + rows * st_v, slice(None)],
-                                 extra_mask=live[:, None]).to(torch.float32)  # [Vc, K]
-                    d_c = hl.load(d_rows, [dr_base + j * dr_l, rows],
-                                  extra_mask=valid[:, None] & live[None, :]).to(torch.float32)  # [Lb, Vc]
+                    s0 = s_next.to(torch.float32)  # [Vc, K]
+                    d_c = d_next.to(torch.float32)  # [Lb, Vc]
+                    after = rows + value_chunk  # the next chunk's loads in flight during this one's math
+                    s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                     extra_mask=(after < tv.end)[:, None])
+                    d_next = hl.load(d_rows, [dr_base + j * dr_l, after], extra_mask=valid[:, None] & (after < tv.end)[None, :])
                     v_c = hl.load(v4, [row, tt, hv, rows], extra_mask=tlive[:, None] & live[None, :]).to(torch.float32)
                     # the drafts' products with the committed state: [Vc, Tb] = sum over K (and over the ring)
                     pk = torch.sum(s0[:, None, :] * ak[None, :, :], dim=2) + torch.sum(d_c[:, :, None] * wk[:, None, :], dim=0)

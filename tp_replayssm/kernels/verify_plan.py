@@ -5,8 +5,9 @@
 :func:`tp_replayssm.kernels.verify.replayssm_verify_kernel`. A test or a benchmark that wants another launch passes its
 own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``), which :meth:`VerifyPlan.check` validates.
 
-The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds several
-``[Tb, K]`` fp32 tiles of the drafts, ``Tb >= 16``, which one warp cannot keep in registers); the narrowest value tile
+The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds the drafts'
+``[Tb, K]`` fp32 tiles and, per chunk step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers); the
+narrowest value tile
 of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM (more programs in
 flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk step's
 ``[Vc, Tb, K]`` products in registers: 168 registers per thread at ``T = 4``, K = 128).
@@ -27,8 +28,8 @@ from .plan import H200_SMS, NAMED_BLOCK, _sm_count
 
 __all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of"]
 
-# resident 4-warp verify programs per SM assumed by the value-tile rule
-PROGRAMS_PER_SM = 4
+# resident 4-warp verify programs per SM (168 registers per thread: 3 CTAs of 128 threads in 64K registers)
+PROGRAMS_PER_SM = 3
 # value rows x draft rows per chunk step: the [Vc, Tb, K] products of a step stay at 8 rows x 4 drafts, 168 registers
 # with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
 CHUNK_DRAFT_ROWS = 32
