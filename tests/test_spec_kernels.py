@@ -38,7 +38,8 @@ def _warm(pool: ReplaySSMStatePool, model: object, steps: list[list[int]], gen: 
     with use_cpu_backend("torch"):
         for slots in steps:
             inputs = [random_decode_inputs(len(slots), lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
-                                           dtype=torch.float32, generator=gen) for _ in range(pool.num_layers)]
+                                           dtype=torch.float32, device=pool.device, generator=gen)
+                      for _ in range(pool.num_layers)]
             inputs = [type(x)(x.mixed_qkv, x.a + a_shift, x.b) for x in inputs]
             decode_step(pool, model, inputs, torch.tensor(slots, dtype=torch.int32, device=pool.device))
 
@@ -229,7 +230,12 @@ def test_gpu_graph_replay_of_verify_and_commit(layout: str) -> None:
     step(warm, static, n_static)
     from tp_replayssm.pool.spec import _spec_tensors
 
-    _spec_tensors(pool)  # the pool's spec tensors exist before the capture (an eager step would allocate them)
+    # what the pool's first eager step would create (a capture may not copy from the host): its spec tensors and the
+    # error-record codes of its calls
+    _spec_tensors(pool)
+    for layer in range(pool.num_layers):
+        pool.guard("verify", layer)
+    pool.guard("commit")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

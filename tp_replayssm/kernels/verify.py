@@ -1,26 +1,28 @@
 """The Helion verify kernel of speculative decoding: one launch per layer verifies ``T`` draft tokens per row.
 
-One program per (row ``b``, q/k head ``h``, value head ``hv = h*r + sub``, value tile ``tv``), as in the decode kernel.
-A program reads its checkpoint tile ONCE for all ``T`` drafts: with ``G_t`` the drafts' cumulative gates along their
-own paths (``Gam = Anc @ g``, ``Anc`` the ancestor-or-self matrix of the tree), every draft's products with the
-committed state are one small matrix product per value chunk,
+One program per (row ``b``, q/k head ``h``, value head ``hv = h*r + sub``, value tile ``tv``), as in the decode kernel
+(docs/spec.md has the design). A program reads its checkpoint tile ONCE for all ``T`` drafts. With ``Gam_t`` the
+drafts' gate sums along their own paths (``Gam = Anc @ g``, ``Anc`` the tree's ancestor-or-self matrix, built by
+doubling; a chain's is lower triangular), each value row's products with the committed state are
 
-    PK = S0 @ AK^T + D^T (Kr @ AK^T),  AK[t] = exp(tot + Gam_t) * k_t     (PQ likewise with q)
+    PK[:, t] = S0 @ ak_t + D^T (Kr @ rk_t),  ak_t = exp(tot + Gam_t) * k_t        (PQ likewise with q)
 
-(``D``, ``Kr`` the committed ring's deltas and keys, pre-decayed or decayed to the committed state). The drafts depend
-on each other only through their ancestors' deltas: ``delta_t = beta_t (v_t - PK_t - sum_u delta_u Mk[u, t])`` over
-the strict ancestors ``u`` of ``t``, ``Mk[u, t] = k_u . exp(Gam_t - Gam_u) k_t``. In matrix form ``Delta (I + N) = R``
-with ``R = (V - PK) diag(beta)`` and ``N = Mk * strict-ancestors * beta``, which is nilpotent, so ``W = (I + N)^-1 =
-(I - N)(I + N^2)(I + N^4)...`` once per program and ``Delta = R @ W``, ``Out = PQ + R @ (W @ Mq)`` per chunk
-(``Mq`` over the ancestors and the node itself). All products are ``hl.dot`` on fp32 operands with 3xTF32 precision.
+(``D``, ``Kr`` the committed ring's deltas and keys: pre-decayed ``kt_j`` with ``rk_t = ak_t``, or, in the sglang
+layout, decayed to the committed state with ``rk_t = exp(Gam_t) * k_t``), one ``[Vc, Tb, K]`` product per chunk step.
+The drafts depend on each other through their ancestors' deltas only: ``delta_t = beta_t (v_t - PK_t - sum_u delta_u
+Mk[u, t])`` over the strict ancestors ``u`` of ``t``, ``Mk[u, t] = k_u . exp(Gam_t - Gam_u) k_t``. So ``Delta (I + N) =
+R`` with ``R = (V - PK) diag(beta)`` and ``N = Mk * strict-ancestors * beta``, nilpotent: ``W = (I + N)^-1 = (I - N)
+(I + N^2)(I + N^4)...`` once per program (the forward substitution over ``T`` as a product of ``log2(Tb)`` factors),
+then ``Delta = R @ W`` and ``Out = PQ + R @ (W @ Mq)`` per chunk (``Mq`` over the ancestors and the node itself). All
+fp32, in registers (no tensor-core operand is replicated per warp: that spilled).
 
 Writes: the outputs, the drafts' ring entries at ``base + t`` (``base = 0`` when the row folds, else the cursor ``c``),
-and no checkpoint, except where the committed ring is folded (``c + T > L - 1``: the committed state ``Sc`` goes
-to the checkpoint) or, in the pre-decayed layout with a possibly unbounded gate, a head rebases (its drafts would
-pass the bound: ``Sc`` to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). Per-head ring rows (gates,
-keys) at positions the other programs of the head still read (a fold's positions ``0..T-1``, a rebase's ``c-1``) are
-written by the LAST program of the head to arrive, counted with an acq_rel atomic in ``counters`` (zero again after
-the launch); the other per-head rows by the head's first tile. No program moves a cursor: ``commit`` does.
+and no checkpoint, except where the committed ring is folded (``c + T > L - 1``: the committed state ``Sc`` goes to
+the checkpoint) or, in the pre-decayed layout with a gate that can pass the bound, a head rebases (its drafts would
+pass it: ``Sc`` to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). Per-head ring rows (gates, keys) at
+positions the other programs of the head read (a fold's ``0..T-1``, a rebase's ``c-1``) are written by the LAST program
+of the head to pass its prologue, counted with an acq_rel atomic in ``counters`` (zero again after the launch); the
+fold's replay takes the committed keys from the prologue's registers. No program moves a cursor: ``commit`` does.
 Slot safety as in the decode kernel (out-of-range, free or repeated slots, and rows whose ``parents`` are not a forest
 in topological order: zero outputs, nothing written, recorded).
 """
@@ -298,8 +300,8 @@ def replayssm_verify_kernel(
     return out4
 
 
-# 3xTF32 products: fp32 operands at about fp32 accuracy on tensor cores; int64 offsets for large pools
-_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64, dot_precision="tf32x3")
+# int64 offsets for large pools
+_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=None)

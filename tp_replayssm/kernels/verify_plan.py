@@ -7,9 +7,9 @@ own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``), which :
 
 The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds the drafts'
 ``[Tb, K]`` fp32 tiles and, per chunk step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers); the
-narrowest value tile
-of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM (more programs in
-flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk step's
+narrowest value tile of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM
+(more programs in flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk
+step's
 ``[Vc, Tb, K]`` products in registers: 168 registers per thread at ``T = 4``, K = 128).
 """
 
