@@ -67,15 +67,18 @@ def _verify_case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: i
 
 
 def test_verify_kernel_chain_with_bad_rows(interpreter: None) -> None:
-    """Pre-decayed layout, a chain of 3 drafts; rows: good (two cursor phases), padding, freed, repeated slot."""
+    """Pre-decayed layout, a chain of 3 drafts; rows: one that folds (cursor 4, L = 6), one that does not (cursor 2),
+    padding, a freed slot, a repeated slot."""
     pool = _pool(KDAHeads(1, 2, 16, 16), ring_length=6)
     gen = torch.Generator().manual_seed(1)
     model = make_model(pool, gen)
     pool.alloc(4)
     pool.free([3])
-    _warm(pool, model, [[0, 1, 2], [0, -1, 2]], gen)
+    _warm(pool, model, [[0, 1, 2], [0, -1, 2], [0, -1, -1], [0, -1, -1]], gen)
+    assert pool.cursors[[0, 2]].tolist() == [4, 2]
     _verify_case(pool, model, [0, -1, 2, 3, 1, 1], 3, gen, None, 2e-5)
     assert pool.slot_errors[2] == 3  # the freed row and the two rows naming slot 1
+    assert pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
 
 
 def test_verify_kernel_tree_fold_over_two_value_tiles(interpreter: None) -> None:
