@@ -21,6 +21,8 @@ from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.kernels.verify_plan import plan_verify
 from tp_replayssm.testing import random_decode_inputs
 
+# the interpreter cases run where triton was imported in interpreter mode (tests/conftest.py: machines without CUDA)
+on_cpu_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on machines without CUDA")
 TENSORS = ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors", "spec_folded", "spec_counters", "slot_errors")
 
 
@@ -66,6 +68,7 @@ def _verify_case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: i
     _compare(pool, twin, tol)
 
 
+@on_cpu_machine
 def test_verify_kernel_chain_with_bad_rows(interpreter: None) -> None:
     """Pre-decayed layout, a chain of 3 drafts; rows: one that folds (cursor 4, L = 6), one that does not (cursor 2),
     padding, a freed slot, a repeated slot."""
@@ -81,6 +84,7 @@ def test_verify_kernel_chain_with_bad_rows(interpreter: None) -> None:
     assert pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
 
 
+@on_cpu_machine
 def test_verify_kernel_tree_fold_over_two_value_tiles(interpreter: None) -> None:
     """sglang layout, bf16 caches and state, GQA (H = 1, HV = 2), V = 32 (two 16-row tiles: the fold's per-head rows
     are written by the last program of each head). Rows: one folds (cursor 4, T = 3, L = 6), one does not."""
@@ -95,6 +99,7 @@ def test_verify_kernel_tree_fold_over_two_value_tiles(interpreter: None) -> None
     assert pool.spec_folded[0, :2].tolist() == [1, 0] and pool.spec_counters.abs().sum() == 0
 
 
+@on_cpu_machine
 def test_verify_kernel_rebase(interpreter: None) -> None:
     """Pre-decayed layout, an unbounded-in-a-ring gate (lower bound -18, L = 6): the committed gates plus the drafts
     pass -75, so heads rebase in verify (checkpoint, zeroed deltas, G_{c-1} = 0 by the head's last program)."""
@@ -108,6 +113,7 @@ def test_verify_kernel_rebase(interpreter: None) -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
+@on_cpu_machine
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_commit_kernels(tree: bool, interpreter: None) -> None:
     """The commit kernels (one-program verdicts and cursors; the tree compaction) against the torch ops, bitwise,
