@@ -2,6 +2,8 @@
 
 - :mod:`.decode` (with :mod:`.decode_math`): the ReplaySSM decode kernel.
 - :mod:`.cursor`: the pool's cursor advance kernel (and its torch form).
+- :mod:`.verify` (with :mod:`.verify_plan`, :mod:`.verify_args`, :mod:`.verify_launch`) and :mod:`.commit`: speculative
+  decoding's verify kernel and commit kernels (docs/spec.md).
 - :mod:`.plan`: :func:`~.plan.plan_decode`, the one place that decides how a decode launch is compiled.
 - :mod:`.args`: the kernel's arguments (views of the call's tensors) and where each comes from.
 - :mod:`.launch`: :func:`~.launch.run_decode`, the entry of every decode: validate, choose the path, plan, launch.

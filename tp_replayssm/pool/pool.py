@@ -48,7 +48,7 @@ from ..tp import placement
 from ..tp.devices import resolve_device
 from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
-from . import conv, lifecycle, state
+from . import conv, lifecycle, spec, state
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
 from ..errors import SlotError
@@ -220,7 +220,8 @@ class ReplaySSMStatePool:
         out = torch.tensor(ids, dtype=torch.int32, device=self.device)
         if n:
             idx = out.long()
-            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state):
+            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state,
+                      getattr(self, "spec_folded", None)):  # (spec_folded: pool/spec.py)
                 if t is not None:
                     t.index_fill_(1, idx, 0)
             self.cursors.index_fill_(0, idx, 0)
@@ -267,8 +268,9 @@ class ReplaySSMStatePool:
 
     def read_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The current state ``[n, HV_l, V, K]`` fp32 of ``slots [n]`` in ``layer``: checkpoint plus the replayed
-        ring entries ``j < cursor``. Changes nothing."""
-        return state.read_state(self, layer, slots)
+        ring entries ``j < cursor``. Changes nothing. (Between a step's verify and its commit, a slot whose committed
+        ring that verify folded reads its checkpoint: :func:`tp_replayssm.pool.spec.read_state_in_flight`.)"""
+        return spec.read_state_in_flight(self, layer, slots, state.read_state(self, layer, slots))
 
     def read_conv_state(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """The conv windows ``[n, D, W-1]`` (oldest first, ``conv_dtype``) of ``slots [n]`` in ``layer``. Changes
@@ -393,6 +395,36 @@ class ReplaySSMStatePool:
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=False)
         cursor.advance(self.cursors, slots, force_flush, self.ring_length, self.guard("advance"))
+
+    # ---- speculative decoding: verify, then commit (pool/spec.py, docs/spec.md) -------------------
+
+    def verify(self, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+               dt_bias: torch.Tensor, slots: torch.Tensor, *, parents: torch.Tensor | None = None,
+               scale: float | None = None, use_qk_l2norm_in_kernel: bool = True, lower_bound: float | None = None,
+               conv_weight: torch.Tensor | None = None, conv_bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``T`` draft tokens per row of this rank's LOCAL inputs, ``1 <= T <= ring_length - 1``: ``mixed_qkv
+        [B, T, 2*H_l*K + HV_l*V]``, ``a [B, T, HV_l*K]`` or ``[B, T, HV_l, K]``, ``b [B, T, HV_l]``, ``A_log``,
+        ``dt_bias`` as for :meth:`decode`, ``slots [B]`` int32 (``< 0`` = padding). Returns ``out [B, T, HV_l, V]``:
+        output ``t`` is what :meth:`decode` would give for draft ``t`` after the row's committed state and the drafts
+        before it (a chain), or its ancestors (``parents [B, T]`` int32, ``-1 <= parents[b, t] < t``, -1 = the
+        committed state). Writes the drafts' ring entries beyond the committed cursor; the committed state stays what
+        every reader sees until :meth:`commit` (docs/spec.md: the fold when the drafts do not fit). With
+        ``conv_weight [D, W]`` (``conv_bias [D]``) ``mixed_qkv`` is pre-conv: the conv runs over the drafts along their
+        ancestors, and the window moves at commit. Every layer's verify of a step takes the same slots, ``T`` and
+        ``parents``. No host sync."""
+        return spec.verify(self, layer, mixed_qkv, a, b, A_log, dt_bias, slots, parents=parents, scale=scale,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
+                           conv_weight=conv_weight, conv_bias=conv_bias, out=out)
+
+    def commit(self, slots: torch.Tensor, num_accepted: torch.Tensor, *, path: torch.Tensor | None = None) -> None:
+        """Once per model step, after every layer's :meth:`verify`, with the step's ``slots [B]``: each row's state in
+        every layer (checkpoint, ring, cursor, conv window) becomes the state after its first ``num_accepted[b]``
+        drafts (``[B]`` int32 on the device, ``0..T``), or after the tree nodes ``path[b, :num_accepted[b]]`` (``path
+        [B, T]`` int32, root first, each the parent of the next). Padding rows change nothing; a bad slot, or a
+        ``num_accepted`` / ``path`` that is not valid for its row, is recorded for :meth:`check` (such a row takes no
+        draft). No host sync, CUDA-graph capturable."""
+        spec.commit(self, slots, num_accepted, path)
 
     # ---- placement ------------------------------------------------------------------------------
 

@@ -154,9 +154,11 @@ def describe_record(record: list[int]) -> str | None:
     pairs = [(record[4 + 2 * i], record[5 + 2 * i]) for i in range(min(n_rows, RECORDED_ROWS))]
     shown = ", ".join(f"row {r} slot {s}" for r, s in pairs) + (" ..." if n_rows > RECORDED_ROWS else "")
     others = n_all - n_rows
+    spec = (" (or, in speculative decoding, whose parents, num_accepted or path were not valid for the row)"
+            if method in ("verify", "commit") else "")
     return (f"ReplaySSMStatePool.{method}{f'(layer={layer})' if layer >= 0 else ''}: {n_rows} row(s) named a slot "
-            f"that is out of range, not allocated, or repeated within the call (the first such call since the last "
-            f"check, with later calls of the same method and layer): {shown}; they were treated as padding rows "
+            f"that is out of range, not allocated, or repeated within the call{spec} (the first such call since the "
+            f"last check, with later calls of the same method and layer): {shown}; they were treated as padding rows "
             f"(zero output, nothing written)"
             + (f"; {others} more bad row(s) in later calls of other methods or layers" if others > 0 else ""))
 

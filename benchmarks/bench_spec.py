@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Speculative decoding on one GPU: ``T`` draft tokens verified and committed against plain decode steps,
+graph-captured and averaged over every cursor phase.
+
+What it measures, per shape (one layer, K = V = 128, L = 16, bf16 rings and activations, the pool's default layout):
+
+- ``verify_us``: ``pool.verify`` of ``T`` drafts per row, then ``pool.commit`` (a chain; every row accepts
+  ``--accept`` drafts each step, so the committed cursors walk ``c -> (0 if c + T > L-1 else c) + accept`` and the
+  drafts fold every few steps). ONE CUDA graph holds one step for each of ``n_sets`` disjoint slot sets (enough sets
+  that a replay touches 4x the L2, at most ``--max-graph-steps`` steps); the pool's state evolves on the device from
+  replay to replay, so timing many replays averages over the cursor cycle (rows start at staggered cursors).
+  us/step = median replay time / n_sets.
+- ``decode_us``: one decode step of the same rows with the cursor advance fused in (``pool.decode(...,
+  advance=True)``, the library's step), timed the same way (its cursors walk the full cycle of ``L`` phases);
+  ``decode_sep_us`` with the separate advance kernel.
+- ``x1 = verify_us / decode_us`` (targets: <= 1.6 at B >= 32, <= 2.0 at B <= 8) and ``xT = verify_us / (T *
+  decode_us)``: the verify step against the ``T`` decode steps it replaces.
+- ``floor_us``: the bytes a verify + commit step must move (:func:`verify_bytes`: the checkpoint read once, the
+  committed ring entries read, ``T`` ring entries written, the fold's checkpoint write at its share of the cycle,
+  inputs and outputs) over the copy bandwidth measured in the same run; ``%floor = floor_us / verify_us``.
+- Before timing, each shape checks one verify + commit against the PyTorch reference on a CPU copy of the pool.
+
+Commands (the H200; ``source benchmarks/device_setup.sh`` first)::
+
+    python3 benchmarks/bench_spec.py                   # B in 1,8,32,128 x HV in 8,32 x fp32,bf16 state (T = 4)
+    python3 benchmarks/bench_spec.py --quick           # 4 shapes
+    python3 benchmarks/bench_spec.py --dry-run         # shapes, plans and byte floors; any machine
+
+Writes ``bench_spec.json`` into ``--out`` (else ``$OUT``, else ``benchmarks/out/``) and prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+import torch  # noqa: E402
+
+log = logging.getLogger("bench_spec")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cycle(L: int, T: int, accept: int) -> list[tuple[int, bool]]:
+    """The committed cursors ``(c, folds)`` a row takes, step after step, once it is on its cycle."""
+    c, seen, order = 0, {}, []
+    while c not in seen:
+        seen[c] = len(order)
+        fold = c + T > L - 1
+        order.append((c, fold))
+        c = (0 if fold else c) + accept
+    return order[seen[c]:]
+
+
+def verify_bytes(B: int, HV: int, H: int, K: int, V: int, L: int, T: int, accept: int, state_bytes: int,
+                 cache_bytes: int = 2, act_bytes: int = 2, predecayed: bool = True) -> dict[str, float]:
+    """The fewest bytes one verify + commit step moves, averaged over the cursor cycle of ``accept`` drafts a step:
+    the checkpoint read once; the committed ring entries read (deltas, keys, and the last cumulative gate, or every
+    gate in the sglang layout); ``T`` draft entries written; the fold's checkpoint write at its share of the cycle;
+    inputs, outputs, parameters; the commit's cursor (chain: nothing else)."""
+    KH = HV if predecayed else H
+    steps = cycle(L, T, accept)
+    mean_c = statistics.mean(c for c, _ in steps)
+    folds = sum(1 for _, f in steps if f) / len(steps)
+    entry = HV * V * cache_bytes + KH * K * cache_bytes + HV * K * 4
+    ckpt = B * HV * V * K * state_bytes
+    ring_read = B * mean_c * (HV * V * cache_bytes + KH * K * cache_bytes) + B * HV * K * 4 * (1 if predecayed
+                                                                                                 else mean_c)
+    ring_write = B * T * entry
+    D = 2 * H * K + HV * V
+    io = B * T * (D + HV * K + HV + HV * V) * act_bytes + HV * (K + 1) * 4 + B * 4 * 4
+    total = ckpt + ring_read + ring_write + folds * ckpt + io
+    return {"bytes": total, "checkpoint_read": ckpt, "fold_write": folds * ckpt, "ring_read": ring_read,
+            "ring_write": ring_write, "io": io, "mean_cursor": mean_c, "fold_share": folds}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batch", default="1,8,32,128")
+    p.add_argument("--heads", default="8,32", help="HV list (H = HV)")
+    p.add_argument("--state", default="fp32,bf16")
+    p.add_argument("--drafts", type=int, default=4, help="T")
+    p.add_argument("--accept", type=int, default=3, help="drafts every row accepts per step")
+    p.add_argument("--ring", type=int, default=16)
+    p.add_argument("--layout", default="predecayed", choices=["predecayed", "sglang"])
+    p.add_argument("--lower-bound", type=float, default=None, help="gate lower bound (default: softplus gate)")
+    p.add_argument("--quick", action="store_true", help="B in 1,32 x HV 32 x both states")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--footprint-mb", type=float, default=0.0, help="bytes one replay touches (0: 4x the L2)")
+    p.add_argument("--max-graph-steps", type=int, default=128)
+    p.add_argument("--rep-ms", type=float, default=300.0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.heads = "1,32", "32"
+    if not 1 <= args.accept <= args.drafts < args.ring:
+        p.error("need 1 <= --accept <= --drafts < --ring")
+    return args
+
+
+def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [dict(B=int(b), HV=int(h), state=s) for s in args.state.split(",") for h in args.heads.split(",")
+            for b in args.batch.split(",")]
+
+
+def make_pool(shape: dict[str, Any], args: argparse.Namespace, n_sets: int, device: str) -> tuple[Any, list]:
+    """A one-layer pool of ``n_sets * B`` allocated slots with random checkpoints and full random rings, the rows'
+    cursors staggered over ``0 .. L-1``; the slot sets."""
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool
+    from tp_replayssm.reference import predecay_rings
+
+    B, HV, L = shape["B"], shape["HV"], args.ring
+    heads = KDAHeads(HV, HV, 128, 128)
+    pool = ReplaySSMStatePool(heads, num_layers=1, num_slots=n_sets * B, ring_length=L,
+                              state_dtype=DTYPES[shape["state"]], ring_layout=args.layout, device=device)
+    ids = pool.alloc(n_sets * B)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    S = pool.num_slots
+    pool.checkpoint.copy_(0.05 * torch.randn(pool.checkpoint.shape, device=device, generator=gen))
+    pool.d_cache.copy_(0.5 * torch.randn(pool.d_cache.shape, device=device, generator=gen))
+    k = torch.randn(pool.k_cache.shape, device=device, generator=gen)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    g = -0.01 - 0.2 * torch.rand(pool.g_cache.shape, device=device, generator=gen)
+    if pool.predecayed:
+        k, g = predecay_rings(k[0], g[0])
+        k, g = k[None], g[None]
+    pool.k_cache.copy_(k)
+    pool.g_cache.copy_(g)
+    pool.cursors[:S].copy_(torch.arange(S, device=device, dtype=torch.int32) % L)
+    perm = torch.randperm(S, device=device, generator=gen).to(torch.int32)
+    return pool, [ids[perm[i * B:(i + 1) * B].long()].contiguous() for i in range(n_sets)]
+
+
+def graph_us(step_fns: list, rep_ms: float, reps_multiple: int) -> float:
+    """Capture all steps in one graph (after an eager warm-up on a side stream); median us per step over replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in step_fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in step_fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-6)
+    reps = max(reps_multiple, int(rep_ms * 1e-3 / est) // reps_multiple * reps_multiple)
+    evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for s, e in evs:
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.mean(s.elapsed_time(e) for s, e in evs) * 1e3 / len(step_fns)
+
+
+def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, inputs: dict) -> float:
+    """One verify + commit on the GPU pool against the PyTorch reference on a CPU copy; the outputs' rel. error."""
+    from tp_replayssm import ReplaySSMStatePool
+
+    ref = ReplaySSMStatePool(pool.heads, num_layers=1, num_slots=pool.num_slots, ring_length=pool.ring_length,
+                             state_dtype=pool.state_dtype, ring_layout=pool.ring_layout, device="cpu")
+    for name in ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors"):
+        getattr(ref, name).copy_(getattr(pool, name))
+    ref._slots = copy.deepcopy(pool._slots)
+    slots = sets[0]
+    x, a, b = (inputs[n][0] for n in ("x", "a", "b"))
+    n = torch.full_like(slots, args.accept)
+    out = pool.verify(0, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=args.lower_bound)
+    pool.commit(slots, n)
+    want = ref.verify(0, x.cpu(), a.cpu(), b.cpu(), params.A_log.cpu(), params.dt_bias.cpu(), slots.cpu(),
+                      lower_bound=args.lower_bound)
+    ref.commit(slots.cpu(), n.cpu())
+    pool.check()
+    err = float((out.float().cpu() - want.float()).norm() / want.float().norm())
+    if not torch.equal(pool.cursors.cpu(), ref.cursors):
+        raise RuntimeError("commit: cursors differ from the reference")
+    return err
+
+
+def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: float) -> dict[str, Any]:
+    from tp_replayssm.testing import random_head_params
+
+    B, HV, T, L = shape["B"], shape["HV"], args.drafts, args.ring
+    sb = DTYPES[shape["state"]].itemsize
+    model = verify_bytes(B, HV, HV, 128, 128, L, T, args.accept, sb, predecayed=args.layout == "predecayed")
+    per_set = B * HV * 128 * 128 * sb + B * HV * L * (128 * 2 * 2 + 128 * 4)
+    target = args.footprint_mb * 2**20 if args.footprint_mb > 0 else 4 * l2
+    n_sets = int(max(1, min(math.ceil(target / per_set), args.max_graph_steps)))
+    rec: dict[str, Any] = {**shape, "T": T, "L": L, "accept": args.accept, "n_sets": n_sets, **model}
+    pool, sets = make_pool(shape, args, n_sets, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    params = random_head_params(HV, 128, device="cuda")
+    D = 3 * HV * 128
+    n_in = min(n_sets, 16)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16)  # noqa: E731
+    inputs = {"x": [mk(B, T, D) for _ in range(n_in)], "a": [mk(B, T, HV * 128) for _ in range(n_in)],
+              "b": [mk(B, T, HV) for _ in range(n_in)], "x1": [mk(B, D) for _ in range(n_in)],
+              "a1": [mk(B, HV * 128) for _ in range(n_in)], "b1": [mk(B, HV) for _ in range(n_in)]}
+    rec["check_rel_err"] = check_shape(pool, sets, args, params, inputs)
+    accepted = torch.full((B,), args.accept, dtype=torch.int32, device="cuda")
+    lb = args.lower_bound
+
+    def verify_step(i: int):  # noqa: ANN202
+        def fn() -> None:
+            j = i % n_in
+            pool.verify(0, inputs["x"][j], inputs["a"][j], inputs["b"][j], params.A_log, params.dt_bias, sets[i],
+                        lower_bound=lb)
+            pool.commit(sets[i], accepted)
+        return fn
+
+    def decode_step(i: int, fused: bool):  # noqa: ANN202
+        def fn() -> None:
+            j = i % n_in
+            pool.decode(0, inputs["x1"][j], inputs["a1"][j], inputs["b1"][j], params.A_log, params.dt_bias, sets[i],
+                        lower_bound=lb, advance=fused)
+            if not fused:
+                pool.advance(sets[i])
+        return fn
+
+    period = len(cycle(L, T, args.accept))
+    rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period)
+    rec["decode_us"] = graph_us([decode_step(i, True) for i in range(n_sets)], args.rep_ms, L)
+    rec["decode_sep_us"] = graph_us([decode_step(i, False) for i in range(n_sets)], args.rep_ms, L)
+    rec["x1"] = rec["verify_us"] / rec["decode_us"]
+    rec["xT"] = rec["verify_us"] / (T * rec["decode_us"])
+    rec["floor_us"] = model["bytes"] / (gbps * 1e3)
+    rec["pct_floor"] = 100.0 * rec["floor_us"] / rec["verify_us"]
+    from tp_replayssm.kernels.verify_plan import plan_verify, VerifyProblem
+
+    rec["plan"] = str(plan_verify(VerifyProblem(B, T, HV, HV, 128, 128, L, DTYPES[shape["state"]], torch.bfloat16,
+                                                "cuda", torch.cuda.get_device_properties(0).multi_processor_count,
+                                                args.layout, False, True, lb is not None,
+                                                lb is not None and (L - 1) * abs(lb) <= 75)))
+    del pool, sets, inputs
+    torch.cuda.empty_cache()
+    return rec
+
+
+def table(rows: list[dict[str, Any]]) -> list[str]:
+    head = f"{'HV':>3} {'B':>4} {'state':>5} {'verify+commit':>13} {'decode':>7} {'x1':>5} {'target':>6} {'xT':>5} " \
+           f"{'floor':>7} {'%floor':>6} {'err':>8}"
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['HV']:>3} {r['B']:>4} {r['state']:>5} FAILED: {r['error']}")
+            continue
+        target = 1.6 if r["B"] >= 32 else 2.0
+        ok = "ok" if r["x1"] <= target else "MISS"
+        lines.append(f"{r['HV']:>3} {r['B']:>4} {r['state']:>5} {r['verify_us']:>10.2f} us {r['decode_us']:>7.2f} "
+                     f"{r['x1']:>5.2f} {'<=' + str(target):>6}{ok:>5} {r['xT']:>5.2f} {r['floor_us']:>7.2f} "
+                     f"{r['pct_floor']:>5.0f}% {r['check_rel_err']:>8.1e}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = parse_args(argv)
+    out_dir = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "out")
+    rows = []
+    if args.dry_run:
+        for s in shapes(args):
+            m = verify_bytes(s["B"], s["HV"], s["HV"], 128, 128, args.ring, args.drafts, args.accept,
+                             DTYPES[s["state"]].itemsize, predecayed=args.layout == "predecayed")
+            log.info("HV=%d B=%d %s: %.2f MB per verify step (checkpoint %.2f MB, fold share %.2f, mean cursor %.1f)",
+                     s["HV"], s["B"], s["state"], m["bytes"] / 1e6, m["checkpoint_read"] / 1e6, m["fold_share"],
+                     m["mean_cursor"])
+        return 0
+    os.environ.setdefault("HELION_AUTOTUNE_EFFORT", "none")
+    from bench_decode import measure_copy_bandwidth
+
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 60 * 2**20)
+    bw = measure_copy_bandwidth(torch.device("cuda"), 1024)
+    log.info("%s, copy bandwidth %.0f GB/s", props.name, bw["copy_gbps"])
+    for s in shapes(args):
+        try:
+            rows.append(run_shape(s, args, l2, bw["copy_gbps"]))
+        except Exception as exc:  # noqa: BLE001 - one failing shape must not lose the others
+            log.exception("shape %s failed", s)
+            rows.append({**s, "error": f"{type(exc).__name__}: {exc}"[:200]})
+        log.info(table(rows[-1:])[-1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv, "device": props.name, "copy_gbps": bw["copy_gbps"], "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    (out_dir / "bench_spec.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+    print("\n".join(table(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The verify kernel's arguments (views of the call's tensors, each tagged with the input it views) and its launch.
+
+Caches are passed as the decode kernel's overlapping row views (:func:`tp_replayssm.kernels.args.rows_view`); the
+activations as one ``as_strided`` view each (``q4``, ``k4 [B, T, H, K]``, ``v4 [B, T, HV, V]`` over ``mixed_qkv``'s
+columns, ``a4 [B, T, HV, K]``). The launch goes through the direct launcher (:mod:`.direct`) keyed by the plan.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..pool.slots import SlotGuard
+from ..spec_validation import VerifyCall, VerifyDims
+from ..validation import resolve_scale
+from . import direct
+from .args import rows_view
+from .verify import replayssm_verify_kernel, verify_kernel_for
+from .verify_plan import VerifyPlan
+
+__all__ = ["DIRECT_PLANS", "launch_verify", "verify_kernel_args"]
+
+DIRECT_PLANS = direct.PlanCache("replayssm_verify")
+_PARAMS = tuple(inspect.signature(replayssm_verify_kernel).parameters)
+INPUTS = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "initial_state", "d_cache", "k_cache", "g_cache", "out",
+          "slots", "cursors", "parents", "folded", "counters", "slot_errors", "call_code")
+_SOURCE = {name: i for i, name in enumerate(INPUTS)}
+_NO_PARENTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _no_parents(device: torch.device) -> torch.Tensor:
+    """A ``[1, 1]`` int32 stand-in for the ``parents`` of a chain (the kernel does not read it)."""
+    t = _NO_PARENTS.get(device)
+    if t is None:
+        t = _NO_PARENTS[device] = torch.full((1, 1), -1, dtype=torch.int32, device=device)
+    return t
+
+
+def _inputs(call: VerifyCall, guard: SlotGuard) -> tuple[torch.Tensor, ...]:
+    parents = _no_parents(call.slots.device) if call.parents is None else call.parents
+    return (call.mixed_qkv, call.a, call.b, call.A_log, call.dt_bias, call.initial_state, call.d_cache, call.k_cache,
+            call.g_cache, call.out, call.slots, call.cursors, parents, call.folded, call.counters, guard.errors,
+            guard.code)
+
+
+def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: SlotGuard) -> direct.LaunchArgs:
+    """The kernel's positional arguments for a validated call, with their sources in :data:`INPUTS`."""
+    B, T, H, HV, K, V = dims.batch, dims.drafts, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
+    x, a, dt_bias = call.mixed_qkv, call.a, call.dt_bias
+    s0, s1, off = x.stride(0), x.stride(1), x.storage_offset()
+    state_rows, st = rows_view(call.initial_state)
+    d_rows, dr = rows_view(call.d_cache)
+    k_rows, kr = rows_view(call.k_cache)
+    g_rows, gr = rows_view(call.g_cache)
+    inputs = _inputs(call, guard)
+    tensors = {
+        "q4": (x.as_strided((B, T, H, K), (s0, s1, K, 1), off), "mixed_qkv"),
+        "k4": (x.as_strided((B, T, H, K), (s0, s1, K, 1), off + H * K), "mixed_qkv"),
+        "v4": (x.as_strided((B, T, HV, V), (s0, s1, V, 1), off + 2 * H * K), "mixed_qkv"),
+        "a4": (a if a.dim() == 4 else a.as_strided((B, T, HV, K), (a.stride(0), a.stride(1), K, 1),
+                                                   a.storage_offset()), "a"),
+        "b3": (call.b, "b"),
+        "A_log": (call.A_log, "A_log"),
+        "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),
+                     "dt_bias"),
+        "state_rows": (state_rows, "initial_state"),
+        "d_rows": (d_rows, "d_cache"),
+        "k_rows": (k_rows, "k_cache"),
+        "g_rows": (g_rows, "g_cache"),
+        "out4": (call.out, "out"),
+        "slots": (call.slots, "slots"),
+        "cursors": (call.cursors, "cursors"),
+        "parents": (inputs[_SOURCE["parents"]], "parents"),
+        "folded": (call.folded, "folded"),
+        "counters": (call.counters.view(-1), "counters"),
+        "slot_errors": (guard.errors, "slot_errors"),
+        "call_code": (guard.code, "call_code"),
+    }
+    scale = resolve_scale(call.scale, K)
+    scalars = {"scale": scale, "num_slots": dims.num_slots,
+               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
+               **dict(zip(("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h",
+                           "gr_l"), (*st, *dr, *kr, *gr))),
+               **plan.constexprs()}
+    values, sources, runtime = [], [], {}
+    for i, name in enumerate(_PARAMS):
+        if name in tensors:
+            value, source = tensors[name]
+            values.append(value)
+            sources.append(_SOURCE[source])
+        else:
+            values.append(scalars[name])
+            sources.append(None)
+            if name in ("scale", "lower_bound"):
+                runtime[i] = name
+    return direct.LaunchArgs(tuple(values), tuple(sources), runtime)
+
+
+def launch_verify(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: SlotGuard) -> None:
+    """Launch the verify kernel for a validated call with ``plan`` (no checks)."""
+    kernel = verify_kernel_for(plan.value_tile, plan.num_warps)
+    scale = resolve_scale(call.scale, dims.key_dim)
+    DIRECT_PLANS.launch(
+        kernel, kernel.configs[0], lambda: verify_kernel_args(call, dims, plan, guard), _inputs(call, guard),
+        call.mixed_qkv.device, (plan,),
+        {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)})

@@ -1,0 +1,156 @@
+"""The verify kernel's launch plan: every compile-time choice of one verify launch, made in one place.
+
+:func:`plan_verify` maps a :class:`VerifyProblem` (sizes, dtypes, device, ring layout, tree or chain, gate) to a frozen
+:class:`VerifyPlan`: the value tile, value chunk and warps of the programs, and every constexpr of
+:func:`tp_replayssm.kernels.verify.replayssm_verify_kernel`. A test or a benchmark that wants another launch passes its
+own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``), which :meth:`VerifyPlan.check` validates.
+
+The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds the drafts'
+``[Tb, K]`` fp32 tiles and, per chunk step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers); the
+narrowest value tile of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM
+(more programs in flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk
+step's
+``[Vc, Tb, K]`` products in registers: 168 registers per thread at ``T = 4``, K = 128).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+import helion
+
+from ..spec_validation import VerifyCall, VerifyDims
+from ..validation import PREDECAYED_MAX_LOG_DECAY
+from .plan import H200_SMS, NAMED_BLOCK, _sm_count
+
+__all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of"]
+
+# resident 4-warp verify programs per SM (168 registers per thread: 3 CTAs of 128 threads in 64K registers)
+PROGRAMS_PER_SM = 3
+# value rows x draft rows per chunk step: the [Vc, Tb, K] products of a step stay at 8 rows x 4 drafts, 168 registers
+# with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
+CHUNK_DRAFT_ROWS = 32
+NUM_WARPS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyProblem:
+    """What a verify launch plan depends on. ``gate_bounded``: a ``lower_bound`` gate that cannot take a pre-decayed
+    cumulative gate past the rebase bound within a ring (``(L-1) * |lower_bound| <= 75``)."""
+
+    batch: int
+    drafts: int
+    num_q_heads: int
+    num_v_heads: int
+    key_dim: int
+    value_dim: int
+    ring_length: int
+    state_dtype: torch.dtype
+    cache_dtype: torch.dtype
+    device_type: str
+    sm_count: int
+    ring_layout: str
+    tree: bool
+    use_l2norm: bool
+    use_lower_bound: bool
+    gate_bounded: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyPlan:
+    """Every compile-time choice of one verify launch (``str(plan)`` prints them all). Grid: one program per (row,
+    q/k head, value head of it, value tile of ``value_tile`` rows), ``num_warps`` warps, ``value_chunk`` rows per
+    step. The rest are the kernel's constexprs of the same names."""
+
+    value_tile: int
+    value_chunk: int
+    num_warps: int
+    draft_block: int
+    predecayed_ring: int  # 0 sglang layout; pre-decayed: 1 no rebase possible, 2 rebases
+    tree: bool
+    tile_readers: int
+    named_block: int
+    on_gpu: bool
+    ring_length: int
+    ring_block: int
+    use_l2norm: bool
+    use_lower_bound: bool
+
+    def __str__(self) -> str:
+        return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
+
+    @property
+    def config(self) -> helion.Config:
+        """The Helion config (the compiled kernel is cached by ``(value_tile, num_warps)``)."""
+        from .verify import verify_kernel_for
+
+        return verify_kernel_for(self.value_tile, self.num_warps).configs[0]
+
+    def constexprs(self) -> dict[str, object]:
+        """The kernel's constexpr arguments, by name."""
+        return dict(draft_block=self.draft_block, ring_length=self.ring_length, ring_block=self.ring_block,
+                    value_chunk=self.value_chunk, use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
+                    predecayed_ring=self.predecayed_ring, tree=self.tree, tile_readers=self.tile_readers,
+                    doubling_steps=self.draft_block.bit_length() - 1, named_block=self.named_block,
+                    on_gpu=self.on_gpu)
+
+    def check(self, problem: VerifyProblem) -> None:
+        """``ValueError`` unless this plan can run ``problem``."""
+        want = plan_verify(problem)
+        for name in ("draft_block", "predecayed_ring", "tree", "named_block", "on_gpu", "ring_length", "ring_block",
+                     "use_l2norm", "use_lower_bound"):
+            if getattr(self, name) != getattr(want, name):
+                raise ValueError(f"VerifyPlan: `{name}` is {getattr(self, name)!r} but this call needs "
+                                 f"{getattr(want, name)!r} ({self})")
+        if self.tile_readers != -(-problem.value_dim // self.value_tile):
+            raise ValueError(f"VerifyPlan: `tile_readers` must be ceil(V / value_tile) = "
+                             f"{-(-problem.value_dim // self.value_tile)}; got {self.tile_readers}")
+        if self.value_chunk < 1 or self.value_chunk & (self.value_chunk - 1) or self.value_chunk > self.value_tile:
+            raise ValueError(f"VerifyPlan: `value_chunk` must be a power of two in [1, value_tile]; got "
+                             f"{self.value_chunk}")
+
+
+def problem_of(call: VerifyCall, dims: VerifyDims, ring_layout: str) -> VerifyProblem:
+    """The :class:`VerifyProblem` of a validated call."""
+    lb = call.lower_bound
+    bounded = lb is not None and (dims.ring_length - 1) * abs(lb) <= PREDECAYED_MAX_LOG_DECAY
+    device = call.mixed_qkv.device
+    return VerifyProblem(dims.batch, dims.drafts, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
+                         dims.ring_length, call.initial_state.dtype, call.d_cache.dtype, device.type,
+                         _sm_count(device), ring_layout, call.parents is not None,
+                         bool(call.use_qk_l2norm_in_kernel), lb is not None, bounded)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_verify(problem: VerifyProblem) -> VerifyPlan:
+    """The launch plan of ``problem`` (module docstring)."""
+    V = problem.value_dim
+    full = max(16, 1 << (V - 1).bit_length())
+    pairs = problem.batch * problem.num_v_heads
+    sms = problem.sm_count if problem.device_type == "cuda" else H200_SMS
+    vt = full
+    if problem.device_type == "cuda":
+        for cand in (16, 32, 64):
+            if cand < full and pairs * -(-V // cand) <= PROGRAMS_PER_SM * sms:
+                vt = cand
+                break
+    else:  # the interpreter: small tiles, so tests reach the multi-tile paths
+        vt = min(full, 16)
+    if problem.ring_layout == "sglang":
+        mode = 0
+    elif problem.gate_bounded:
+        mode = 1
+    else:
+        mode = 2
+    draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
+    return VerifyPlan(
+        value_tile=vt, value_chunk=min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block)), num_warps=NUM_WARPS,
+        draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
+        tile_readers=-(-V // vt),
+        named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
+        on_gpu=problem.device_type == "cuda", ring_length=problem.ring_length,
+        ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()), use_l2norm=problem.use_l2norm,
+        use_lower_bound=problem.use_lower_bound)
