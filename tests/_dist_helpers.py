@@ -421,3 +421,18 @@ def dist_env(rank: int, world: int) -> dict[str, Any]:
         info["inner_same"] = inner is env
     info["initialized_after"] = dist.is_initialized()
     return info
+
+
+def world_pool_after_a_subgroup(rank: int, world: int) -> str:
+    """Every rank creates a subgroup of the first two ranks (torch's usual way: all ranks call ``new_group``),
+    then builds a pool over the whole world: the placement check's own group must still meet on every rank (a
+    rank outside the subgroup knows one process group fewer)."""
+    import torch.distributed as dist
+
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool
+
+    dist.new_group([0, 1])
+    pool = ReplaySSMStatePool(KDAHeads(2, 4, 16, 16), num_layers=1, num_slots=2, ring_length=4,
+                              group=dist.group.WORLD, device="cpu")
+    pool.verify_placement()
+    return "ok"

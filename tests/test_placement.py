@@ -240,3 +240,10 @@ def test_pool_fault_matrix(tmp_path) -> None:  # noqa: ANN001
         assert msgs[0].splitlines()[0].endswith("offending rank(s): 1"), (fault, msgs[0])
         for sub in POOL_EXPECT[fault]:
             assert sub in msgs[0], (fault, sub, msgs[0])
+
+
+@pytest.mark.timeout(120)
+def test_world_pool_after_a_subgroup_was_created(tmp_path) -> None:  # noqa: ANN001
+    """A rank outside an earlier subgroup knows one process group fewer; the check group over the whole world must
+    still be one group on every rank (its name must not depend on that count)."""
+    assert h.run_ranks(h.world_pool_after_a_subgroup, 4, tmp_path) == ["ok"] * 4

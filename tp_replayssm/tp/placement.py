@@ -328,7 +328,12 @@ def format_placement_error(reports: Sequence[RankReport], group_size: int | None
 
 
 def _check_group(group: Any) -> Any:
-    """The cached CPU gloo group over ``group``'s ranks (created collectively on first use)."""
+    """The cached CPU gloo group over ``group``'s ranks (created collectively on first use).
+
+    A group over every rank is created the ordinary way (every rank takes part, as in the pool's construction). A
+    subgroup is created by its members alone (``use_local_synchronization``), whose name torch derives from the ranks
+    and the number of groups the process knows: members must have created the same number of groups before (true of
+    the usual symmetric TP/DP layouts; docs/pitfalls.md)."""
     hit = _BY_GROUP.get(id(group))
     if hit is not None and hit[0] is group:
         return hit[1]
@@ -340,7 +345,7 @@ def _check_group(group: Any) -> Any:
             list(ranks),
             timeout=datetime.timedelta(seconds=check_timeout_s()),
             backend="gloo",
-            use_local_synchronization=True,
+            use_local_synchronization=len(ranks) != dist.get_world_size(),
             group_desc="tp_replayssm_placement_check",
         )
         _CHECK_GROUPS[key] = pg
