@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Run any command inside the project's virtual environment, creating it first if needed.
-#   ./dev.sh torchrun --standalone --nproc-per-node 2 launch/decode.py
+#   ./dev.sh torchrun --standalone --nproc-per-node 2 launch/serve.py
 #   ./dev.sh python -m pytest -q
 # Set-up (once, and again whenever pyproject.toml changes): .venv with the CPU build of
 # torch 2.13.0 installed first (so nothing pulls a multi-GB CUDA build), then the project with its
-# test extra (helion 1.5.0, triton, pytest, hypothesis). Python 3.11 is all it needs. Beside it, in
+# test and fla extras (helion 1.5.0, triton, pytest, hypothesis; flash-linear-attention 0.6.0, the layer tests'
+# peer). Python 3.11 is all it needs. Beside it, in
 # $venv/triton-h200 (exported as TP_REPLAYSSM_TRITON_H200, not on the path): triton 3.6.0, the device's
 # compiler, so that register and spill counts of sm_90 code (tests/test_kernel_regs.py,
 # benchmarks/kernel_regs.py, which put it on their path) are those of the H200's kernels.
@@ -28,8 +29,11 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   echo "dev.sh: setting up $venv" >&2
   check_disk
   python3 -m venv "$venv"
-  pip_install torch==2.13.0
-  pip_install -e "$root[test]"
+  # the CPU build, named by its local label: plain PyPI has no +cpu wheel, so this can never pull a CUDA build (this
+  # machine's pip finds the wheel on disk; elsewhere PyTorch's CPU index serves it)
+  pip_install "torch==2.13.0+cpu" 2>/dev/null \
+    || pip_install "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+  pip_install -e "$root[test,fla]"
   echo "$want" > "$stamp"
 fi
 if [ ! -d "$venv/triton-h200/triton" ]; then

@@ -2,7 +2,7 @@
 
 Pure arithmetic (no torch import, no device): the benchmarks, the launcher and the CPU tests share it.
 
-ReplaySSM (SPEC section 1), averaged over one full cursor cycle of ``L`` phases. In phase ``c``
+ReplaySSM (docs/contract.md), averaged over one full cursor cycle of ``L`` phases. In phase ``c``
 (``c = 0 .. L-1``; every row of the batch at the same phase, the step with ``c = L-1`` flushes):
 
 - checkpoint read, every step: ``B * HV * V * K * state_bytes``;

@@ -1,4 +1,4 @@
-"""KDA head geometry and the tensor-parallel sharding rule (SPEC section 2).
+"""KDA head geometry and the tensor-parallel sharding rule (docs/contract.md, sharding).
 
 :class:`KDAHeads` describes the global (unsharded) heads of one KDA layer. :func:`shard_heads` is the
 one place where the sharding rule lives: it maps ``(heads, tp_size, tp_rank)`` to a frozen
@@ -207,7 +207,7 @@ class HeadShard:
 
 
 def shard_heads(heads: KDAHeads, tp_size: int, tp_rank: int) -> HeadShard:
-    """The sharding rule of SPEC section 2: the heads rank ``tp_rank`` of ``tp_size`` owns.
+    """The sharding rule (docs/contract.md): the heads rank ``tp_rank`` of ``tp_size`` owns.
 
     Raises ``ValueError`` (printing ``H``, ``HV`` and ``tp``) when ``HV % tp != 0`` or neither
     ``H % tp == 0`` nor ``tp % H == 0``, and when ``tp_rank`` is not in ``[0, tp_size)``.
