@@ -59,12 +59,12 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
     dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
     device = call.mixed_qkv.device
     kernel = runs_kernel(device, where)
-    if plan is not None:
+    if plan is not None:  # (checked on the PyTorch path too, which runs none: a wrong plan is a caller's bug)
         problem = problem_of(
             dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=device,
             ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
             use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound)
-        plan.check(problem)
+        plan.check(problem, device_code=kernel)
     if dims.batch == 0:
         return dims
     if not kernel:

@@ -39,9 +39,9 @@ REGISTER_CAP = 168
 MMA_CHUNK_STAGES = 3
 # positions of the checkpoint-chunk loads in Helion's list of the kernel's loads (``load_eviction_policies``), on the
 # register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint: with per-row
-# cursors, and with the pool's cursor table (whose scan for slots named twice adds a load before the two later ones)
+# cursors, and with the pool's cursor table (its load of the call's slots comes first, its cursor read by slot later)
 STATE_LOADS = (1, 13, 16)
-STATE_LOADS_CURSOR_TABLE = (1, 14, 17)
+STATE_LOADS_CURSOR_TABLE = (2, 15, 18)
 # rows of the pool's count of the rows naming a slot that one load covers (one load up to this batch)
 NAMED_BLOCK = 512
 # the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
@@ -126,12 +126,13 @@ class DecodePlan:
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
                     on_gpu=self.on_gpu)
 
-    def check(self, problem: DecodeProblem) -> None:
+    def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
-        combination the kernel does not have)."""
+        combination the kernel does not have). ``device_code=False``: the call runs no kernel (the PyTorch path), so
+        whether the plan was made for a GPU or the interpreter does not matter."""
         want = plan_decode(problem)
-        for name in ("cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block",
-                     "on_gpu"):
+        names = ["cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block"]
+        for name in names + (["on_gpu"] if device_code else []):
             if getattr(self, name) != getattr(want, name):
                 raise ValueError(f"DecodePlan: `{name}` is {getattr(self, name)!r} but this call needs "
                                  f"{getattr(want, name)!r} ({self})")
