@@ -261,7 +261,7 @@ def run(cfg: Any, weights: list[dict[str, torch.Tensor]], ranks: list[Rank], pro
 
 def build_rank(cfg: Any, weights: list[dict[str, torch.Tensor]], n: int, *, rank: int = 0, tp: int = 1,
                group: Any = None, ring_length: int = 5, ring_layout: str = "predecayed",
-               dtype: torch.dtype = torch.float32, device: str = "cpu") -> Rank:
+               dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Rank:
     """A pool and a twin (``n`` sequences at slots 1.. of the pool, other ids on the twin, ``n + 1`` scratch slots),
     and each layer on both. ``group``: the layers all-reduce over it (None: partial sums)."""
     from tp_replayssm import ReplaySSMStatePool
@@ -275,7 +275,8 @@ def build_rank(cfg: Any, weights: list[dict[str, torch.Tensor]], n: int, *, rank
                                         tp_rank=None if group is not None else rank,
                                         tp_size=None if group is not None else tp, device=device))
     pool, twin = pools
-    layers = [[TPKimiDeltaAttention.from_state_dict(w, cfg, pool=p, layer_idx=i, group=group, dtype=dtype)
+    layers = [[TPKimiDeltaAttention.from_state_dict(w, cfg, pool=p, layer_idx=i, group=group, dtype=dtype,
+                                                    prefill_backend="torch")
                for i, w in enumerate(weights)] for p in pools]
     burn = pool.alloc(1)  # the sequences get slots 1.., not 0..
     slots = pool.alloc(n).tolist()

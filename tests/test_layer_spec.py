@@ -116,3 +116,75 @@ def test_commit_zero_keeps_the_state() -> None:
         assert lh.rel(got, want) < TOL
     assert lh.rel(rk.pool.read_state(0, slots), rk.twin.read_state(0, tslots)) < TOL
     rk.pool.check()
+
+
+# ---- GPU (the device) -------------------------------------------------------------------------------------------
+
+GPU_TOL = 1e-4  # fp32 on the GPU (other summation orders in the kernels and GEMMs)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_verify_scenario() -> None:
+    """fp32 on one GPU: the scenario through the Helion verify and commit kernels (the twin decodes with the decode
+    kernel), every check as on the CPU."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = CONFIGS["gva"]
+    weights = [lh.random_weights(cfg, seed) for seed in (30, 31)]
+    prompts, x0, steps = sh.scenario(cfg.hidden_size, 5)
+    res = sh.run(cfg, weights, [sh.build_rank(cfg, weights, len(prompts), device=dev)], prompts, x0, steps)
+    assert max(res["errs"].values()) < GPU_TOL, res["errs"]
+    assert res["padding_zero"] and res["cursors_ok"] and res["folds"] >= 3, res
+
+
+@pytest.mark.gpu
+def test_gpu_graph_captured_verify_and_commit() -> None:
+    """Two layers' verify (T = 3, a padding row) and the commit captured in one CUDA graph, replayed with new drafts
+    and acceptance counts: every output against sequential decode on the twin, and every layer's state and window
+    after each commit against the twin that decoded only the kept tokens (ring length 5: rows fold)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg, T = CONFIGS["gva"], 3
+    weights = [lh.random_weights(cfg, seed) for seed in (50, 51)]
+    rk = sh.build_rank(cfg, weights, 3, device=dev)
+    seqs = [0, 1, 2, None]
+    slots = torch.tensor([*rk.slots, -1], dtype=torch.int32, device=dev)
+    ids, tids = slots[:3], torch.tensor(rk.twin_slots, dtype=torch.int32, device=dev)
+    g = torch.Generator().manual_seed(6)
+    x0, cu = torch.randn(12, 64, generator=g).to(dev), torch.tensor([0, 4, 5, 12], dtype=torch.int32, device=dev)
+    for layers, s in ((rk.layers, ids), (rk.twin_layers, tids)):
+        for i, layer in enumerate(layers):
+            layer(x0, s, cu, advance=i == len(layers) - 1)
+    static_x = torch.zeros(4, T, 64, device=dev)
+    static_n = torch.zeros(4, dtype=torch.int32, device=dev)
+
+    def step() -> list[torch.Tensor]:
+        ys = [layer(static_x, slots, verify=True) for layer in rk.layers]
+        rk.pool.commit(slots, static_n)
+        return ys
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compiles; commit(0) keeps every committed state)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_ys = step()
+    for k in range(6):
+        x = torch.randn(4, T, 64, generator=g)
+        n = torch.randint(0, T + 1, (4,), generator=g, dtype=torch.int32)
+        n[3] = 0
+        st = sh.Step("verify", seqs, x, accepted=n.tolist())
+        want = sh._twin_nodes(rk, st, torch.float32)
+        static_x.copy_(x.to(dev))
+        static_n.copy_(n.to(dev))
+        graph.replay()
+        got = torch.stack([y.double().cpu() for y in static_ys])
+        assert lh.rel(got, want) < GPU_TOL, (k, lh.rel(got, want))
+        assert bool((got[:, 3] == 0).all())
+        sh._twin_keep(rk, st, torch.float32)
+        for li in range(2):
+            assert lh.rel(rk.pool.read_state(li, ids), rk.twin.read_state(li, tids)) < GPU_TOL, (k, li)
+            assert lh.rel(rk.pool.read_conv_state(li, ids), rk.twin.read_conv_state(li, tids)) < GPU_TOL, (k, li)
+    rk.pool.check()
+    rk.twin.check()
