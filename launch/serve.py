@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 8 launch/serve.py --device cuda --hidden 2304 --heads 32 --v-heads 32 \\
         --head-dim 128 --ffn 2048 --layers 4 --batch 64 --requests 256 --prompt-len 64 512 --new-tokens 16 64
     torchrun --standalone --nproc-per-node 2 launch/serve.py --corrupt-weight   # the check fails (exit status 1)
+    torchrun --standalone --nproc-per-node 2 launch/serve.py --spec-tokens 3 --ring-length 8   # speculative decoding
 
 Every rank builds its shard of the model (launch/serve_model.py: embedding, N blocks of RMSNorm -> the library's
 TPKimiDeltaAttention -> residual -> RMSNorm -> a dense MLP standing in for Kimi-Linear's MoE/MLA layers -> residual,
@@ -12,11 +13,16 @@ ReplaySSMStatePool with a conv window per layer. Requests with different prompt 
 admits them into free slots (``pool.alloc``), prefills their prompts packed with ``cu_seqlens`` (``--prefill-chunk``
 tokens per request and step: longer prompts are prefilled in pieces, each continuing the slot's state), decodes
 greedily one token per request and step (a fixed batch of one row per slot, padding rows for the others, the last
-layer moving the cursors), and frees a slot when its request has its new tokens. On CPU tensors the library runs its
-PyTorch path; on CUDA the prefill uses flash-linear-attention's chunk_kda when it is installed.
+layer moving the cursors), and frees a slot when its request has its new tokens. With ``--spec-tokens T`` each decode
+step is speculative (launch/serve_spec.py): ``T`` draft tokens per request from its own n-grams, one verify step of
+the whole model on the next input token and the drafts (every layer's ``verify``), ``pool.commit`` of the accepted
+ones, and the accepted drafts plus the model's next token emitted: the same greedy tokens, up to ``T + 1`` per step.
+On CPU tensors the library runs its PyTorch path; on CUDA the prefill uses flash-linear-attention's chunk_kda when it
+is installed.
 
-Output: rank 0 shows a progress line on a terminal, then a summary (prefill and decode tokens/s, pool memory and
-weights per rank) and checks every request's greedy tokens and logits against the same model run on rank 0 through
+Output: rank 0 shows a progress line on a terminal, then a summary (prefill and decode tokens/s, the drafts'
+acceptance rate with ``--spec-tokens``, a checksum of the generated tokens, pool memory and weights per rank) and
+checks every request's greedy tokens and logits against the same model run on rank 0 through
 FLA's layers (``--reference fla``; the default on CUDA when FLA is importable) or a plain float64 PyTorch model of the
 same weights with a full recurrence and no pool (``--reference plain``, always available). It ends with "RESULT: OK";
 on any failure every rank prints one line "RESULT: FAIL <ErrorType>: <reason>" and exits with status 1.
@@ -32,6 +38,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -67,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, default=8,
                    help="prompt tokens per request and prefill step (0: whole prompts)")
     s.add_argument("--ring-length", type=int, default=4, help="ring length L of the pool")
+    s.add_argument("--spec-tokens", type=int, default=0, metavar="T",
+                   help="speculative decoding: draft tokens per request and decode step, verified with the next "
+                        "input token in one step (T + 1 <= ring length - 1); 0: off")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and activations (None: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default=None,
@@ -98,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--reference fla needs --device cuda (FLA's Triton kernels; on a CPU use --reference plain)")
     if args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0")
+    if args.spec_tokens < 0 or (args.spec_tokens and args.spec_tokens + 1 > args.ring_length - 1):
+        p.error(f"--spec-tokens must be 0 (off) or T with T + 1 <= --ring-length - 1 = {args.ring_length - 1} (a "
+                f"step verifies the next input token and T drafts); got {args.spec_tokens}")
     return args
 
 
@@ -161,6 +174,11 @@ class Engine:
                                        conv_kernel_size=self.cfg.conv, group=group, device=self.device)
         self.model = TPModel(self.cfg, self.weights, self.pool, group=group, rank=self.rank, world=self.world,
                              device=self.device, dtype=self.dtype)
+        self.spec = None
+        if args.spec_tokens:
+            from serve_spec import SpecDecoder
+
+            self.spec = SpecDecoder(self.model, self.pool, args.spec_tokens, self.device)
         self.generated_at_build = self.weights.generated()  # weight elements this rank made (its slices)
         if args.corrupt_weight and self.rank == self.world - 1:
             log.warning("corrupting rank %d's shard of layer 0's o_proj (x1.5)", self.rank)
@@ -174,7 +192,7 @@ class Engine:
         self.active: list[Request] = []
         self.finished: list[Request] = []
         self.stats = dict(prefill_tokens=0, prefill_s=0.0, prefill_steps=0, decode_tokens=0, decode_s=0.0,
-                          decode_steps=0, decode_rows=0)
+                          decode_steps=0, decode_rows=0, decode_live=0)
         self._last_progress = 0.0
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -229,9 +247,10 @@ class Engine:
                 self._emit(r, nxt[i], logits[i])
 
     def decode_step(self) -> None:
-        """One greedy token for every decoding request: a fixed batch of one row per slot (padding rows, slot -1,
-        for the others), the last layer moving the cursors. Speculative decoding plugs in here: with draft tokens a
-        step runs every layer's ``pool.verify`` on ``[B, T]`` drafts, then ``pool.commit`` of the accepted ones."""
+        """Greedy tokens for every decoding request: a fixed batch of one row per slot (padding rows, slot -1, for
+        the others). Without ``--spec-tokens`` one token per request, the last layer moving the cursors; with it one
+        speculative step (:class:`serve_spec.SpecDecoder`: every layer's ``pool.verify`` on the next input token and
+        the drafts, then ``pool.commit`` of the accepted ones), up to ``T + 1`` tokens per request."""
         torch = self.torch
         rows: list[Request | None] = [None] * self.pool.num_slots
         for r in self.active:
@@ -239,18 +258,25 @@ class Engine:
                 rows[r.slot] = r
         self._sync()
         t0 = time.perf_counter()
-        tokens = torch.tensor([r.generated[-1] if r else 0 for r in rows], device=self.device)
-        slots = torch.tensor([r.slot if r else -1 for r in rows], dtype=torch.int32, device=self.device)
-        logits = self.model.forward(tokens, slots)
-        nxt = self._greedy(logits)
+        if self.spec is None:
+            tokens = torch.tensor([r.generated[-1] if r else 0 for r in rows], device=self.device)
+            slots = torch.tensor([r.slot if r else -1 for r in rows], dtype=torch.int32, device=self.device)
+            logits = self.model.forward(tokens, slots)
+            nxt = self._greedy(logits)
+            out = {i: ([nxt[i]], logits[i:i + 1]) for i, r in enumerate(rows) if r is not None}
+        else:
+            out = self.spec.step(rows)
         self._sync()
-        live = [i for i, r in enumerate(rows) if r is not None]
         self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["decode_tokens"] += len(live)
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(rows)
-        for i in live:
-            self._emit(rows[i], nxt[i], logits[i])
+        self.stats["decode_live"] += len(out)
+        for i, (toks, logits) in out.items():
+            r = rows[i]
+            for tok, row_logits in zip(toks, logits):
+                if len(r.generated) < r.max_new:  # a speculative step may find more tokens than the request wants
+                    self._emit(r, tok, row_logits)
+                    self.stats["decode_tokens"] += 1
 
     def retire(self) -> None:
         """Requests with all their tokens give their slot back (``pool.free``). Exporting a finished or preempted
@@ -361,9 +387,14 @@ class Engine:
                 f"  prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s = {pre:.1f} tokens/s "
                 f"({s['prefill_steps']} packed steps, chunk {a.prefill_chunk or 'whole prompt'})",
                 f"  decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s = {dec:.1f} tokens/s "
-                f"({s['decode_steps']} steps of {a.batch} rows, {s['decode_tokens'] / max(s['decode_rows'], 1):.0%} "
+                f"({s['decode_steps']} steps of {a.batch} rows, {s['decode_live'] / max(s['decode_rows'], 1):.0%} "
                 f"live)",
             ]
+            if self.spec is not None:
+                lines.append(self.spec.summary(s["decode_tokens"], s["decode_live"]))
+            done = sorted(self.finished, key=lambda r: r.rid)
+            digest = zlib.crc32(",".join(str(t) for r in done for t in [r.rid, *r.generated, -1]).encode())
+            lines.append(f"  generated tokens: crc32 {digest:08x} (every request's tokens in request order)")
             for r in every:
                 lines.append(f"  rank {r['rank']} {r['device']}: pool {describe_bytes(r['pool'])} "
                              f"({r['per_slot_layer']} B per slot and layer); weights {describe_bytes(r['params'])} "

@@ -213,6 +213,18 @@ class TPModel:
             x = x[cu_seqlens[1:].long() - 1]
         return (rms_norm(x, self.norm, c.eps) @ self.lm_head.T).float()
 
+    def verify(self, tokens: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One speculative step's verify: ``tokens [B, T]`` per row (the next input token, then the drafts) through
+        every KDA layer's ``verify``; returns fp32 logits ``[B, T, vocab]``, position ``t`` the model's prediction
+        after tokens ``0..t``. Nothing moves until the caller's ``pool.commit(slots, num_accepted)`` (once, after
+        this call: every layer verified)."""
+        c = self.c
+        x = self.embed[tokens]
+        for b in self.blocks:
+            x = x + b["attn"](rms_norm(x, b["attn_norm"], c.eps), slots, verify=True)
+            x = x + self._mlp(b, rms_norm(x, b["mlp_norm"], c.eps))
+        return (rms_norm(x, self.norm, c.eps) @ self.lm_head.T).float()
+
 
 # ---- references -------------------------------------------------------------------------------------------------
 

@@ -81,3 +81,72 @@ def test_serve_help_and_bad_arguments() -> None:
     for bad in (["--prompt-len", "5", "3"], ["--reference", "fla"], ["--batch", "0"]):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, (bad, run.stderr)
+
+
+SPEC_ARGS = ("--requests", "7", "--batch", "3", "--prompt-len", "2", "13", "--new-tokens", "4", "14",
+             "--prefill-chunk", "5", "--seed", "3", "--ring-length", "6", "--vocab", "8")
+
+
+def _digest(out: str) -> str:
+    m = re.search(r"generated tokens: crc32 ([0-9a-f]{8})", out)
+    assert m, out[-3000:]
+    return m.group(1)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_serve_speculative_same_tokens(tmp_path: Path, nproc: int) -> None:
+    """--spec-tokens 3 (4 tokens verified per step, ring length 6: rows fold) gives RESULT: OK and the same greedy
+    tokens as the plain decode (the checksum of every request's tokens), in fewer decode steps; the summary reports
+    the acceptance rate and how many rows accepted 0..3 drafts (a vocabulary of 8 makes the greedy tokens repeat, so
+    every count occurs with this seed)."""
+    plain = _torchrun(tmp_path / "plain", nproc, *SPEC_ARGS)
+    spec = _torchrun(tmp_path / "spec", nproc, *SPEC_ARGS, "--spec-tokens", "3")
+    outs = [run.stdout + run.stderr for run in (plain, spec)]
+    for run, out in zip((plain, spec), outs):
+        assert run.returncode == 0, out[-6000:]
+        assert _results(out, nproc) == [["RESULT: OK"]] + [[]] * (nproc - 1), out[-4000:]
+        assert re.search(r"check against the plain float64 model.*\(tol 1e-04\), 0 greedy mismatches, 0 near ties",
+                         out), out[-3000:]
+    assert _digest(outs[0]) == _digest(outs[1])
+    assert "speculative:" not in outs[0]
+    steps = [int(re.search(r"decode: (\d+) tokens in [0-9.]+ s = [0-9.]+ tokens/s \((\d+) steps of 3 rows",
+                           out).group(2)) for out in outs]
+    m = re.search(r"speculative: 3 draft tokens per request and step \(n-gram lookup\), (\d+) proposed, (\d+) "
+                  r"accepted: acceptance rate ([0-9.]+)%, ([0-9.]+) tokens per request and step; rows accepting 0..3 "
+                  r"drafts: \[(\d+), (\d+), (\d+), (\d+)\]", outs[1])
+    assert m, outs[1][-3000:]
+    proposed, accepted = int(m.group(1)), int(m.group(2))
+    hist = [int(m.group(i)) for i in range(5, 9)]
+    assert proposed == 3 * sum(hist) and accepted == sum(n * c for n, c in enumerate(hist))
+    assert abs(float(m.group(3)) - 100 * accepted / proposed) < 0.06
+    assert all(c > 0 for c in hist), hist
+    assert steps[1] < steps[0], steps
+
+
+def test_serve_spec_tokens_option() -> None:
+    """--spec-tokens T needs T + 1 <= ring length - 1 (the next input token and T drafts in one verify)."""
+    for bad in (["--spec-tokens", "3"], ["--spec-tokens", "-1"], ["--spec-tokens", "4", "--ring-length", "5"]):
+        run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and "--spec-tokens must be 0 (off) or T with T + 1 <=" in run.stderr, (bad, run)
+    run = subprocess.run([sys.executable, str(SERVE), "--help"], capture_output=True, text=True, timeout=60)
+    assert "--spec-tokens T" in run.stdout and "0: off (default: 0)" in run.stdout
+
+
+def test_serve_spec_drafts_and_acceptance() -> None:
+    """The prompt-lookup draft continues the latest earlier occurrence of the longest suffix (periodic histories
+    continue their period; no occurrence repeats the last token); the accepted drafts are the longest prefix equal
+    to the greedy tokens of the positions before them."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "launch"))
+    from serve_spec import accepted_drafts, propose
+
+    assert propose([1, 2, 3, 1, 2], 4) == [3, 1, 2, 3]
+    assert propose([5, 6, 7], 3) == [7, 7, 7]
+    assert propose([4], 2) == [4, 4]
+    assert propose([9, 1, 9, 2, 9, 5, 1, 9], 2) == [2, 9]  # the 2-gram (1, 9), not the later 1-gram (9) -> 5
+    tokens = torch.tensor([[10, 1, 2, 3], [10, 1, 2, 3], [10, 5, 2, 3], [10, 1, 2, 3]])
+    greedy = torch.tensor([[1, 2, 3, 4], [1, 2, 0, 4], [1, 2, 3, 4], [1, 9, 3, 4]])
+    n = accepted_drafts(tokens, greedy)
+    assert n.dtype == torch.int32 and n.tolist() == [3, 2, 0, 1]

@@ -3,7 +3,8 @@
 - :class:`TPKimiDeltaAttention` (:mod:`.kda`): built from flash-linear-attention's ``KimiDeltaAttention``
   (:meth:`~TPKimiDeltaAttention.from_fla`) or a state dict with FLA's or Kimi-Linear's names
   (:meth:`~TPKimiDeltaAttention.from_state_dict`, slices only); ``layer(hidden, slots)`` decodes,
-  ``layer(hidden, slots, cu_seqlens)`` prefills.
+  ``layer(hidden, slots, cu_seqlens)`` prefills, ``layer(hidden, slots, verify=True, parents=None)`` verifies draft
+  tokens (speculative decoding; the caller commits with ``pool.commit``).
 - :class:`KDALayerConfig` (:mod:`.config`): the layer's global geometry and options.
 - :func:`end_prefill` (:mod:`.prefill`): the cursors of a prefill step go to 0 once every layer prefilled.
 - :mod:`.weights`: the sharding of every parameter; :mod:`.kda_torch`: the PyTorch prefill math.

@@ -2,7 +2,9 @@
 
 :class:`TPKimiDeltaAttention` is one rank's shard of a KDA layer (flash-linear-attention's ``KimiDeltaAttention``;
 sharding in :mod:`tp_replayssm.layers.weights`). ``layer(hidden, slots)`` decodes one token per slot through the
-pool; ``layer(hidden, slots, cu_seqlens)`` prefills packed sequences, one per slot, continuing each slot's state.
+pool; ``layer(hidden, slots, cu_seqlens)`` prefills packed sequences, one per slot, continuing each slot's state;
+``layer(hidden, slots, verify=True, parents=None)`` verifies ``T`` draft tokens per slot (speculative decoding: the
+pool's ``verify``; the caller commits once per model step with ``pool.commit``).
 The output is the row-parallel ``o_proj``'s sum over ``group`` (with no group, this rank's partial sum).
 
 One token of one value head ``hv`` (``h = hv // (HV // H)`` its q/k head)::
@@ -130,8 +132,10 @@ class TPKimiDeltaAttention(torch.nn.Module):
         return self.in_proj.dtype
 
     def forward(self, hidden: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None, *,
-                advance: bool = False, force_flush: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode (``cu_seqlens`` None) or prefill (``cu_seqlens`` given) ``hidden`` for ``slots``.
+                advance: bool = False, force_flush: torch.Tensor | None = None, verify: bool = False,
+                parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode (``cu_seqlens`` None), prefill (``cu_seqlens`` given) or verify draft tokens (``verify=True``) of
+        ``hidden`` for ``slots``.
 
         Decode: ``hidden [B, hidden_size]``, one token per row; ``slots [B]`` int32 (``< 0``: padding rows, zero
         output); ``force_flush [B]`` int32 or None as in ``pool.decode``. The cursors do not move: call
@@ -145,8 +149,27 @@ class TPKimiDeltaAttention(torch.nn.Module):
         sequence's last inputs. The shared cursor stays until ``advance=True`` on the step's last layer (or
         :func:`~tp_replayssm.layers.end_prefill`) sets it to 0. Syncs with the host (it checks the ids).
 
+        Verify: ``hidden [B, T, hidden_size]``, ``T`` draft tokens per row, ``1 <= T <= ring_length - 1``; ``slots
+        [B]`` int32 (``< 0``: padding rows); ``parents [B, T]`` int32 on the pool's device or None (a chain): a tree,
+        ``parents[b, t]`` in ``[-1, t-1]``, ``-1`` = the slot's committed state. Output ``t`` is what ``T`` decode
+        steps of this layer would give for token ``t`` after the slot's committed state and the tokens before it (a
+        chain) or its ancestors, root first (a tree). The pool's conv runs over the tokens continuing the committed
+        window. Nothing a reader sees changes until the caller's ``pool.commit(slots, num_accepted, path=...)``, once
+        per model step after every layer's verify with the same ``slots``, ``T`` and ``parents``; that commit moves
+        the cursors, so ``advance`` and ``force_flush`` do not apply. No host sync.
+
         Returns ``[.., hidden_size]`` (``hidden``'s shape) in the layer's dtype: summed over ``group``, or this
         rank's partial sum without one."""
+        if verify:
+            for name, given in (("cu_seqlens", cu_seqlens is not None), ("advance", bool(advance)),
+                                ("force_flush", force_flush is not None)):
+                if given:
+                    raise ValueError(f"TPKimiDeltaAttention.verify(layer={self.layer_idx}): `{name}` does not apply "
+                                     "to a verify (pool.commit moves the cursors once per model step)")
+            return self._verify(hidden, slots, parents)
+        if parents is not None:
+            raise ValueError(f"TPKimiDeltaAttention(layer={self.layer_idx}): `parents` applies to a verify only "
+                             "(pass verify=True)")
         if cu_seqlens is None:
             return self._decode(hidden, slots, bool(advance), force_flush)
         if force_flush is not None:
@@ -155,13 +178,13 @@ class TPKimiDeltaAttention(torch.nn.Module):
         return self._prefill(hidden, slots, cu_seqlens, bool(advance))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [N, hidden]`` -> ``(mixed_qkv [N, D_l]`` pre-conv, ``a [N, HV_l*K]``, ``b [N, HV_l]``,
-        ``gate [N, HV_l*V])``: one GEMM for every input projection, then the low-rank second halves."""
+        """``x [.., hidden]`` -> ``(mixed_qkv [.., D_l]`` pre-conv, ``a [.., HV_l*K]``, ``b [.., HV_l]``,
+        ``gate [.., HV_l*V])``: one GEMM for every input projection, then the low-rank second halves."""
         mixed, b, f_a, g_a = F.linear(x, self.in_proj).split(self._split, dim=-1)
         return mixed, F.linear(f_a, self.f_b), b, F.linear(g_a, self.g_b, self.g_b_bias)
 
     def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """``o [N, HV_l, V]``, ``gate [N, HV_l*V]`` -> ``[N, hidden]``: gated norm, ``o_proj``, the reduction."""
+        """``o [.., HV_l, V]``, ``gate [.., HV_l*V]`` -> ``[.., hidden]``: gated norm, ``o_proj``, the reduction."""
         y = F.linear(gated_rms_norm(o, gate.view(o.shape), self.norm_weight, self.config.norm_eps), self.o_proj)
         if self.group is not None:
             import torch.distributed as dist
@@ -189,6 +212,21 @@ class TPKimiDeltaAttention(torch.nn.Module):
                                lower_bound=self.config.lower_bound, force_flush=force_flush, advance=advance,
                                conv_weight=self.conv_weight, conv_bias=self.conv_bias)
         return self._output(out[:, 0], gate)
+
+    def _verify(self, hidden: torch.Tensor, slots: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
+        where = f"TPKimiDeltaAttention.verify(layer={self.layer_idx})"
+        self._check_hidden(hidden, "[B, T, hidden_size]", _is_act(hidden, self, 3), where)
+        check_ids(slots, where, self.pool.device, (torch.int32,))
+        if slots.shape[0] != hidden.shape[0]:
+            raise ValueError(f"{where}: `slots` must have one id per row of `hidden` ({hidden.shape[0]}); got "
+                             f"{describe(slots)}")
+        mixed, a, b, gate = self._project(hidden)  # [B, T, ..]: the pool checks T against its ring and `parents`
+        if self.conv_weight is None:
+            mixed = F.silu(mixed)
+        out = self.pool.verify(self.layer_idx, mixed, a, b, self.A_log, self.dt_bias, slots, parents=parents,
+                               lower_bound=self.config.lower_bound, conv_weight=self.conv_weight,
+                               conv_bias=self.conv_bias)
+        return self._output(out, gate)
 
     def _prefill(self, hidden: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                  advance: bool) -> torch.Tensor:
