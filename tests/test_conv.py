@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import _dist_helpers as h
+from _slot_cases import bad_slot_cases
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError, shard_heads
 from tp_replayssm.kernels.backend import cpu_backend, use_cpu_backend
 from tp_replayssm.pool.conv import conv_reference
@@ -186,15 +187,7 @@ def test_padding_rows_unused_slots_and_scratch_stay_bit_identical() -> None:
 
 # ---- slot safety --------------------------------------------------------------------------------
 
-BAD = {  # slots of one call -> the bad rows
-    "out-of-range": ([0, S, 2], [1]),
-    "far-out-of-range": ([100000, 2, -1], [0]),
-    "never-allocated": ([4, 0, 3], [0]),
-    "freed": ([0, 1, 2], [1]),
-    "repeated": ([2, 0, 2, 3], [0, 2]),
-    "negative-is-padding": ([-5, 0, 3], []),
-    "all": ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5]),
-}
+BAD = {**bad_slot_cases(S), "all": ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])}  # slots of one call -> bad rows
 
 
 def run_bad_case(case: str, T: int, conv_dtype: torch.dtype = torch.float32) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _slot_cases import bad_slot_cases
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.testing import random_decode_inputs, random_head_params
@@ -56,14 +57,7 @@ def _step(pool: ReplaySSMStatePool, params: object, slots: list[int], how: str, 
     return out
 
 
-BAD = {  # slots of one call -> the bad rows
-    "out-of-range": ([0, S, 2], [1]),
-    "far-out-of-range": ([100000, 2, -1], [0]),
-    "never-allocated": ([4, 0, 3], [0]),
-    "freed": ([0, 1, 2], [1]),
-    "repeated": ([2, 0, 2, 3], [0, 2]),
-    "negative-is-padding": ([-5, 0, 3], []),
-}
+BAD = bad_slot_cases(S)  # slots of one call -> the bad rows
 
 
 def _run_case(layout: str, how: str, case: str) -> None:

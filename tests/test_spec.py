@@ -17,6 +17,7 @@ import torch
 
 from _spec_helpers import (Oracle, decode_paths, decode_step, make_model, node_paths, random_drafts, read_states,
                            rel, sequential_outputs, verify_all)
+from _slot_cases import bad_slot_cases
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.testing import random_decode_inputs
 
@@ -211,14 +212,7 @@ def test_read_state_between_verify_and_commit_and_reject_all() -> None:
 # ---- slot safety and bad arguments -------------------------------------------------------------------------------
 
 S = 6
-BAD = {  # slots of one call -> the bad rows
-    "out-of-range": ([0, S, 2], [1]),
-    "far-out-of-range": ([100000, 2, -1], [0]),
-    "never-allocated": ([4, 0, 3], [0]),
-    "freed": ([0, 1, 2], [1]),
-    "repeated": ([2, 0, 2, 3], [0, 2]),
-    "negative-is-padding": ([-5, 0, 3], []),
-}
+BAD = bad_slot_cases(S)  # slots of one call -> the bad rows
 POOL_TENSORS = ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors", "spec_folded", "conv_state")
 
 

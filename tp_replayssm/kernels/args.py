@@ -22,7 +22,7 @@ import torch
 from ..pool.slots import SlotGuard
 from ..validation import CALL_TENSORS, DecodeCall, DecodeDims
 from .decode import replayssm_decode_kernel
-from .direct import LaunchArgs
+from .direct import LaunchArgs, cache_strides, ordered_args
 from .plan import DecodePlan
 
 __all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "rows_view", "vector_tiles_view"]
@@ -102,19 +102,7 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
         "slot_errors": (guard.errors, "slot_errors"),
         "call_code": (guard.code, "call_code"),
     }
-    scalars = {"scale": scale, "num_slots": dims.num_slots, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
-               **dict(zip(("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h",
-                           "gr_l"), (*st, *dr, *kr, *gr))),
-               **plan.constexprs()}
-    values, sources, runtime = [], [], {}
-    for i, name in enumerate(_PARAMS):
-        if name in tensors:
-            value, source = tensors[name]
-            values.append(value)
-            sources.append(_SOURCE[source])
-        else:
-            values.append(scalars[name])
-            sources.append(None)
-            if name in ("scale", "lower_bound"):
-                runtime[i] = name
-    return LaunchArgs(tuple(values), tuple(sources), runtime)
+    values = {"scale": scale, "num_slots": dims.num_slots,
+              "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
+              **cache_strides(st, dr, kr, gr), **plan.constexprs()}
+    return ordered_args(_PARAMS, tensors, values, _SOURCE)

@@ -47,6 +47,32 @@ class LaunchArgs:
     scalars: dict[int, str]
 
 
+def ordered_args(params: Sequence[str], tensors: dict[str, tuple[torch.Tensor, str]], values: dict[str, object],
+                 inputs: dict[str, int], runtime: Sequence[str] = ("scale", "lower_bound")) -> LaunchArgs:
+    """A kernel's :class:`LaunchArgs` in its signature's order ``params``: ``tensors`` maps a parameter to (its value,
+    the name of the input it views), ``values`` maps every other parameter to its value, ``inputs`` maps input names to
+    their index in the launch's inputs, and the parameters named in ``runtime`` are runtime scalars."""
+    args, sources, scalars = [], [], {}
+    for i, name in enumerate(params):
+        if name in tensors:
+            value, source = tensors[name]
+            args.append(value)
+            sources.append(inputs[source])
+        else:
+            args.append(values[name])
+            sources.append(None)
+            if name in runtime:
+                scalars[i] = name
+    return LaunchArgs(tuple(args), tuple(sources), scalars)
+
+
+def cache_strides(*strides: tuple[int, int, int]) -> dict[str, int]:
+    """The decode-family kernels' cache stride arguments, ``st_* / dr_* / kr_* / gr_*`` (slot, head, row), from the
+    outer strides of the checkpoint's and the three rings' row views, in that order."""
+    names = ("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h", "gr_l")
+    return dict(zip(names, (v for st in strides for v in st)))
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """One recorded launch: call ``run(grid..., stream, function, metadata, None, None, None, *args)``."""

@@ -78,23 +78,10 @@ def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, gua
         "call_code": (guard.code, "call_code"),
     }
     scale = resolve_scale(call.scale, K)
-    scalars = {"scale": scale, "num_slots": dims.num_slots,
-               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
-               **dict(zip(("st_s", "st_h", "st_v", "dr_s", "dr_h", "dr_l", "kr_s", "kr_h", "kr_l", "gr_s", "gr_h",
-                           "gr_l"), (*st, *dr, *kr, *gr))),
-               **plan.constexprs()}
-    values, sources, runtime = [], [], {}
-    for i, name in enumerate(_PARAMS):
-        if name in tensors:
-            value, source = tensors[name]
-            values.append(value)
-            sources.append(_SOURCE[source])
-        else:
-            values.append(scalars[name])
-            sources.append(None)
-            if name in ("scale", "lower_bound"):
-                runtime[i] = name
-    return direct.LaunchArgs(tuple(values), tuple(sources), runtime)
+    values = {"scale": scale, "num_slots": dims.num_slots,
+              "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
+              **direct.cache_strides(st, dr, kr, gr), **plan.constexprs()}
+    return direct.ordered_args(_PARAMS, tensors, values, _SOURCE)
 
 
 def launch_verify(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: SlotGuard) -> None:
