@@ -58,7 +58,7 @@ SHAPES = {
     "kimi-linear": dict(num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, num_layers=20, hidden=2304),
 }
 FAULTS = ("pool-device", "cache-device", "activation-device", "same-device", "ring-length", "num-slots",
-          "num-layers", "state-dtype", "cache-dtype", "tp-rank")
+          "num-layers", "state-dtype", "cache-dtype", "tp-rank", "bad-slot")
 RING_LAYOUTS = ("predecayed", "sglang")  # tp_replayssm.validation.RING_LAYOUTS (not imported: --help stays fast)
 
 log = logging.getLogger("decode")
@@ -113,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the scheduling, activations and weights")
     p.add_argument("--timeout", type=float, default=300.0, help="main process group timeout, seconds")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
-                   help="demonstrate a placement error: the last rank is misplaced or disagrees")
+                   help="demonstrate a placement error (the last rank is misplaced or disagrees), or with bad-slot a "
+                        "slot id out of range in step 1 on every rank (the kernels refuse the row; pool.check() "
+                        "raises SlotError)")
     p.add_argument("--corrupt-output", action="store_true",
                    help="self-test of the verification: the last rank perturbs one decode output (exits non-zero)")
     return p
@@ -397,6 +399,11 @@ class Engine:
         live = [i for i, r in enumerate(self.rows) if r is not None]
         slots_h = [r.slot if r is not None else -1 for r in self.rows]
         flush_h = [1 if r is not None and r.remaining == 1 else 0 for r in self.rows]
+        if args.inject_fault == "bad-slot" and step == 1:  # as a scheduler bug would: every rank, one row
+            row = next((i for i, r in enumerate(self.rows) if r is None), B - 1)
+            log.warning("injecting fault bad-slot: row %d names slot %d of a %d-slot pool", row,
+                        self.pool.num_slots + 3, self.pool.num_slots)
+            slots_h[row] = self.pool.num_slots + 3
         sample = live[: args.check_rows] if check else []
         before, windows = [], []
         if sample and self.lineage:  # the state (and conv window) the oracle followed this request to
@@ -447,6 +454,7 @@ class Engine:
             self.pool.advance(slots, force)
         self._sync()
         dt = time.perf_counter() - t0
+        self.pool.check()  # a sync point anyway: report any bad slot id of this step (SlotError)
         self.stats["engine_s"] += dt
         self.stats["tokens"] += len(live)
         traffic = self._count_traffic(live, flush_h)

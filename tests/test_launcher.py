@@ -219,3 +219,15 @@ def test_launcher_forks_and_preempts_requests() -> None:
     assert sorted(r[0] for r in per_rank) == ["0", "1"], out[-4000:]
     for _, rows, err, bad in per_rank:
         assert int(rows) > 0 and int(bad) == 0 and float(err) < 2e-2
+
+
+def test_launcher_bad_slot_is_refused_and_reported(tmp_path: Path) -> None:
+    """``--inject-fault bad-slot``: step 1 names a slot past the pool on every rank; the kernels refuse the row and the
+    launcher's ``pool.check()`` after the step makes every rank print the same ``RESULT: FAIL SlotError`` line."""
+    run = _torchrun("--inject-fault", "bad-slot", timeout=100.0, log_dir=tmp_path / "logs")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-4000:]
+    fails = re.findall(r"RESULT: FAIL (.*)", out)
+    assert len(fails) == 2 and fails[0] == fails[1], fails
+    assert fails[0].startswith("SlotError: ReplaySSMStatePool.decode(layer=0): 1 row(s)") and "slot 11" in fails[0]
+    assert "RESULT: OK" not in out
