@@ -161,7 +161,11 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
                              f"num_accepted {num_accepted.tolist()}")
     conv_args = None
     if step.conv_layers:
-        layers = torch.tensor(sorted(step.conv_layers), dtype=torch.long, device=pool.device)
+        key = tuple(sorted(step.conv_layers))
+        cache = pool.__dict__.setdefault("_spec_layer_index", {})  # made once, outside a graph: a host-to-device
+        layers = cache.get(key)  # copy is refused during capture
+        if layers is None:
+            layers = cache[key] = torch.tensor(key, dtype=torch.long, device=pool.device)
         conv_args = (pool.conv_state, pool.spec_inputs.index_select(0, layers), layers)
     run_commit(pool, slots, num_accepted, step.parents, path, step.drafts, pool.guard("commit"), conv_args)
     pool._spec_step = None
