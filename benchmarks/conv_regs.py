@@ -41,7 +41,7 @@ def conv_resources(batch: int, tokens: int, channels: int, W: int, dtype: str = 
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import conv
     from tp_replayssm.kernels.args import rows_view
-    from tp_replayssm.pool.slots import ERROR_WORDS
+    from tp_replayssm.kernels.guard import ERROR_WORDS
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
     plan = conv.plan_conv(batch, channels, W, 132)

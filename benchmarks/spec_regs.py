@@ -85,7 +85,7 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     from tp_replayssm.kernels.verify import verify_kernel_for
     from tp_replayssm.kernels.verify_args import verify_kernel_args
     from tp_replayssm.kernels.verify_plan import VerifyProblem, plan_verify
-    from tp_replayssm.pool.slots import ERROR_WORDS, SlotGuard
+    from tp_replayssm.kernels.guard import ERROR_WORDS, SlotGuard
     from tp_replayssm.spec_validation import VerifyCall, VerifyDims
 
     B, HV, K, V, L, T = batch, heads, 128, 128, 16, drafts

@@ -22,7 +22,7 @@ from tp_replayssm.kernels.args import decode_kernel_args
 from tp_replayssm.kernels.decode import replayssm_decode_kernel
 from tp_replayssm.kernels.launch import plan_for
 from tp_replayssm.testing import random_decode_inputs, random_head_params
-from tp_replayssm.pool.slots import ERROR_WORDS, SlotGuard
+from tp_replayssm.kernels.guard import ERROR_WORDS, SlotGuard
 from tp_replayssm.validation import CALL_TENSORS, DecodeCall, DecodeDims, validate_decode
 
 

@@ -20,7 +20,7 @@ import torch
 import _dist_helpers as h
 import _lifecycle_workers as lw
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError, StateShard
-from tp_replayssm.pool.slots import FREE_CURSOR
+from tp_replayssm.kernels.guard import FREE_CURSOR
 from tp_replayssm.testing import random_decode_inputs, random_head_params, rel_err
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .pool.slots import SlotGuard, record_bad_rows
+from .kernels.guard import SlotGuard, record_bad_rows
 from .validation import PREDECAYED_MAX_LOG_DECAY, DecodeCall, DecodeDims, resolve_scale, validate_decode
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .pool.slots import SlotGuard, record_bad_rows
+from .kernels.guard import SlotGuard, record_bad_rows
 from .reference import kda_gate, l2norm, last_cumulative_gate, replay_predecayed_ring, replay_ring
 from .spec_validation import VerifyCall, VerifyDims
 from .validation import PREDECAYED_MAX_LOG_DECAY, resolve_scale

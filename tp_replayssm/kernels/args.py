@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from ..pool.slots import SlotGuard
+from .guard import SlotGuard
 from ..validation import CALL_TENSORS, DecodeCall, DecodeDims
 from .decode import replayssm_decode_kernel
 from .direct import LaunchArgs, cache_strides, ordered_args

@@ -27,7 +27,7 @@ import torch
 import helion
 import helion.language as hl
 
-from ..pool.slots import SlotGuard
+from .guard import SlotGuard
 from ..reference_spec import commit_rows, conv_windows_after
 from . import direct
 from .args import rows_view
@@ -106,7 +106,7 @@ def commit_cursor_kernel(
         hl.atomic_add(slot_errors, [idx * 0 + 2], torch.where(bad, 1, 0))
         mine = bad & ((first == 0) | (first == code))
         at = hl.atomic_add(slot_errors, [idx * 0 + 1], torch.where(mine, 1, 0))
-        keep = mine & (at < 8)  # pool.slots.RECORDED_ROWS
+        keep = mine & (at < 8)  # kernels.guard.RECORDED_ROWS
         hl.store(slot_errors, [4 + 2 * at], rowi, extra_mask=keep)
         hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
     return cursors

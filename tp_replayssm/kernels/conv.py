@@ -35,7 +35,7 @@ import torch
 import helion
 import helion.language as hl
 
-from ..pool.slots import SlotGuard
+from .guard import SlotGuard
 from . import direct
 from .args import rows_view
 
@@ -53,7 +53,7 @@ def conv_update_kernel(
     bias: torch.Tensor,  # [D] (a weight view without bias: never read)
     slots: torch.Tensor,  # [B] int32, < 0 = padding
     cursors: torch.Tensor,  # [S + 1] int32: the pool's cursor table (a free slot's cursor is FREE_CURSOR)
-    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (pool.slots)
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (kernels.guard)
     call_code: torch.Tensor,  # [1] int32: what this call records there
     layer_row: int,  # layer * sl: the layer's first window row
     ws: int,  # window element strides: slot, channel
@@ -131,7 +131,7 @@ def conv_update_kernel(
             hl.atomic_add(slot_errors, [2], 1)
             if (first == 0) | (first == code):
                 at = hl.atomic_add(slot_errors, [1], 1)
-                if at < 8:  # pool.slots.RECORDED_ROWS
+                if at < 8:  # kernels.guard.RECORDED_ROWS
                     slot_errors[4 + 2 * at] = slot * 0 + row
                     slot_errors[5 + 2 * at] = slot
     return y3

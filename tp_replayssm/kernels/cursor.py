@@ -21,7 +21,7 @@ import torch
 import helion
 import helion.language as hl
 
-from ..pool.slots import SlotGuard, record_bad_rows
+from .guard import SlotGuard, record_bad_rows
 from . import direct
 from .backend import runs_kernel
 from .launch import no_flush, spare_guard
@@ -39,7 +39,7 @@ def cursor_advance_kernel(
     slots: torch.Tensor,  # [B] int32, < 0 = padding
     force_flush: torch.Tensor,  # [B] int32
     slot_errors: torch.Tensor,  # [ERROR_WORDS] int32, the pool's record of bad rows
-    call_code: torch.Tensor,  # [1] int32, what this call records (pool.slots.call_code)
+    call_code: torch.Tensor,  # [1] int32, what this call records (kernels.guard.call_code)
     ring_length: int,
 ) -> torch.Tensor:
     """Advance ``cursors`` in place for the rows ``slots`` (module docstring); one program."""
@@ -61,7 +61,7 @@ def cursor_advance_kernel(
         hl.inline_triton(_BARRIER, args=(), output_like=None)  # every read before any store
         # the moved cursor, or the cursor as it was (its count cleared) for a bad row or the scratch entry
         hl.store(cursors, [idx], torch.where(ok, torch.where(flushed, 0, c + 1), c))
-        # record the bad rows: the first call since the last check owns the record (pool.slots.describe_record). Only
+        # record the bad rows: the first call since the last check owns the record (kernels.guard.describe_record). Only
         # when there are any (no atomic on the every-step path); one scalar atomic per record word (the whole batch is
         # this one tile), each bad row's place a prefix count
         bad = torch.where((slot >= 0) & (ok == 0), 1, 0).to(torch.int32)

@@ -45,7 +45,7 @@ def replayssm_decode_kernel(
     slots: torch.Tensor,  # [B] int32
     write_pos: torch.Tensor,  # [B] int32 cursor per row, or [S + 1] per slot (cursors_by_slot)
     force_flush: torch.Tensor,  # [B] int32 (zeros when the caller passed None)
-    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (pool.slots)
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (kernels.guard)
     call_code: torch.Tensor,  # [1] int32: what this call records there
     num_slots: int,  # S: a row whose slot is >= S is refused
     scale: float,
@@ -379,7 +379,7 @@ def replayssm_decode_kernel(
                         hl.atomic_add(slot_errors, [2], 1)
                         if (first == 0) | (first == code):
                             at = hl.atomic_add(slot_errors, [1], 1)
-                            if at < 8:  # pool.slots.RECORDED_ROWS
+                            if at < 8:  # kernels.guard.RECORDED_ROWS
                                 slot_errors[4 + 2 * at] = slot * 0 + row
                                 slot_errors[5 + 2 * at] = slot
         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..pool.slots import ERROR_WORDS, SlotGuard
+from .guard import ERROR_WORDS, SlotGuard
 from ..validation import DecodeCall, DecodeDims, resolve_scale, validate_decode_once
 from . import direct
 from .args import decode_kernel_args

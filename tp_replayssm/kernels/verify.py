@@ -59,7 +59,7 @@ def replayssm_verify_kernel(
     parents: torch.Tensor,  # [B, T] int32 (read when tree)
     folded: torch.Tensor,  # [S + 1] int32: this layer's fold marks (1 = folded in this step)
     counters: torch.Tensor,  # [(S + 1) * (HV + H)] int32, zero between launches
-    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32 (pool.slots)
+    slot_errors: torch.Tensor,  # [ERROR_WORDS] int32 (kernels.guard)
     call_code: torch.Tensor,  # [1] int32
     num_slots: int,
     scale: float,
@@ -292,7 +292,7 @@ def replayssm_verify_kernel(
                     hl.atomic_add(slot_errors, [2], 1)
                     if (first == 0) | (first == code):
                         at = hl.atomic_add(slot_errors, [1], 1)
-                        if at < 8:  # pool.slots.RECORDED_ROWS
+                        if at < 8:  # kernels.guard.RECORDED_ROWS
                             slot_errors[4 + 2 * at] = slot * 0 + row
                             slot_errors[5 + 2 * at] = slot
         else:

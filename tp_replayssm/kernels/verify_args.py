@@ -11,7 +11,7 @@ import inspect
 
 import torch
 
-from ..pool.slots import SlotGuard
+from .guard import SlotGuard
 from ..spec_validation import VerifyCall, VerifyDims
 from ..validation import resolve_scale
 from . import direct

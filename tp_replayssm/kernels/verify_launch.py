@@ -7,7 +7,7 @@ is chosen (:mod:`.backend`); otherwise the Helion verify kernel (:mod:`.verify`)
 
 from __future__ import annotations
 
-from ..pool.slots import SlotGuard
+from .guard import SlotGuard
 from ..reference_spec import verify_rows
 from ..spec_validation import VerifyCall, VerifyDims
 from .backend import runs_kernel

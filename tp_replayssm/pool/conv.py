@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from ..kernels.backend import runs_kernel
 from ..kernels.plan import DecodePlan, problem_of
 from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
-from .slots import SlotGuard, check_ids, record_bad_rows
+from ..kernels.guard import SlotGuard, record_bad_rows
+from .slots import check_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool

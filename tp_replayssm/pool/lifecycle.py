@@ -29,7 +29,8 @@ from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
 from . import conv
 from .shard import StateShard
-from .slots import host_ids, raise_slot_error, record_bad_rows
+from ..kernels.guard import record_bad_rows
+from .slots import host_ids, raise_slot_error
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from ..tp.heads import KDAHeads, shard_heads
-from .slots import ERROR_WORDS
+from ..kernels.guard import ERROR_WORDS
 
 __all__ = ["PoolMemory", "pool_memory", "slots_that_fit"]
 

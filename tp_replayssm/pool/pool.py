@@ -52,7 +52,8 @@ from . import conv, lifecycle, spec, state
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
 from ..errors import SlotError
-from .slots import (ERROR_WORDS, FREE_CURSOR, SlotGuard, SlotTable, call_code, check_ids, describe_record, host_ids,
+from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, describe_record
+from .slots import (SlotTable, check_ids, host_ids,
                     is_int, raise_slot_error)
 
 __all__ = ["LayerViews", "ReplaySSMStatePool"]
