@@ -68,7 +68,7 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import decode
     from tp_replayssm.kernels.args import decode_kernel_args
-    from tp_replayssm.kernels.launch import spare_guard
+    from tp_replayssm.kernels.guard import spare_guard
 
     # 64 rows, or fewer where the pool's count of the rows naming a slot covers only that many in one load (a plan
     # made for B <= 16 has no loop for more rows: compiling it for 64 would add one)

@@ -18,7 +18,7 @@ import torch
 
 from tp_replayssm import KDAHeads, ReplaySSMStatePool
 from tp_replayssm.kernels import cursor as cursor_kernel
-from tp_replayssm.kernels.launch import no_flush
+from tp_replayssm.kernels.args import no_flush
 from tp_replayssm.kernels.guard import ERROR_WORDS, FREE_CURSOR, RECORDED_ROWS, SlotGuard, call_code
 
 DEV = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -23,7 +23,7 @@ import torch
 import helion
 from tp_replayssm.kernels import cursor, decode, plan
 from tp_replayssm.kernels.args import decode_kernel_args
-from tp_replayssm.kernels.launch import spare_guard
+from tp_replayssm.kernels.guard import spare_guard
 from tp_replayssm.kernels.plan import DecodePlan, DecodeProblem, launch_config, plan_decode, problem_of
 from tp_replayssm.validation import DecodeDims
 

@@ -25,7 +25,7 @@ from .decode import replayssm_decode_kernel
 from .direct import LaunchArgs, cache_strides, ordered_args
 from .plan import DecodePlan
 
-__all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "rows_view", "vector_tiles_view"]
+__all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "no_flush", "rows_view", "vector_tiles_view"]
 
 # 16-byte vectors of a checkpoint row per thread in the append loop's vector tiles (docs/tuning.md, vector tiles)
 VECTORS_PER_LANE = 4
@@ -106,3 +106,15 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
               **cache_strides(st, dr, kr, gr), **plan.constexprs()}
     return ordered_args(_PARAMS, tensors, values, _SOURCE)
+
+
+_ZERO_FLAGS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def no_flush(batch: int, device: torch.device) -> torch.Tensor:
+    """A cached all-zero ``force_flush [batch]`` for callers that passed None (never written)."""
+    key = (device, batch)
+    t = _ZERO_FLAGS.get(key)
+    if t is None:
+        t = _ZERO_FLAGS[key] = torch.zeros(batch, dtype=torch.int32, device=device)
+    return t

@@ -24,7 +24,8 @@ import helion.language as hl
 from .guard import SlotGuard, record_bad_rows
 from . import direct
 from .backend import runs_kernel
-from .launch import no_flush, spare_guard
+from .args import no_flush
+from .guard import spare_guard
 
 __all__ = ["MAX_ROWS", "advance", "advance_kernel_for", "advance_launch", "advance_torch", "launch_choice"]
 

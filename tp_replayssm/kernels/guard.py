@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["ERROR_WORDS", "FREE_CURSOR", "RECORDED_ROWS", "SLOT_METHODS", "SlotGuard", "call_code",
-           "describe_record", "record_bad_rows"]
+           "describe_record", "record_bad_rows", "spare_guard"]
 
 FREE_CURSOR = 0xFFFF
 # the record: [0] the first bad call's code since the last check (0: none), [1] its bad rows, [2] bad rows of every
@@ -76,3 +76,15 @@ def record_bad_rows(errors: torch.Tensor, code: torch.Tensor, bad: torch.Tensor,
     errors.index_put_((at,), torch.where(keep, order.to(errors.dtype), errors[3]))
     errors.index_put_((torch.where(keep, at + 1, 3),), torch.where(keep, slots[order].to(errors.dtype), errors[3]))
     errors[3].zero_()  # (a Python value assigned would be a host-to-device copy, refused in graph capture)
+
+
+def spare_guard(device: torch.device) -> SlotGuard:
+    """An error record nobody reads, for the op's launches (the kernel records only in the pool's calls)."""
+    guard = _SPARE.get(device)
+    if guard is None:
+        guard = _SPARE[device] = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
+                                           torch.zeros(1, dtype=torch.int32, device=device))
+    return guard
+
+
+_SPARE: dict[torch.device, SlotGuard] = {}

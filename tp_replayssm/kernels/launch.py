@@ -9,32 +9,19 @@ the direct launcher after a metadata key's first call.
 
 from __future__ import annotations
 
-import torch
 
-from .guard import ERROR_WORDS, SlotGuard
+from .args import decode_kernel_args, no_flush
+from .guard import SlotGuard, spare_guard
 from ..validation import DecodeCall, DecodeDims, resolve_scale, validate_decode_once
 from . import direct
-from .args import decode_kernel_args
 from .backend import runs_kernel
 from .decode import decode_kernel_for
 from .plan import DecodePlan, plan_decode, problem_of
 
-__all__ = ["DIRECT_PLANS", "no_flush", "plan_for", "run_decode"]
+__all__ = ["DIRECT_PLANS", "launch_decode", "plan_for", "run_decode"]
 
 # Direct-launch plans of the decode kernel
 DIRECT_PLANS = direct.PlanCache("replayssm_decode")
-
-_ZERO_FLAGS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def no_flush(batch: int, device: torch.device) -> torch.Tensor:
-    """A cached all-zero ``force_flush [batch]`` for callers that passed None (never written)."""
-    key = (device, batch)
-    t = _ZERO_FLAGS.get(key)
-    if t is None:
-        t = _ZERO_FLAGS[key] = torch.zeros(batch, dtype=torch.int32, device=device)
-    return t
-
 
 def plan_for(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_table: bool,
              advance: bool) -> DecodePlan:
@@ -76,18 +63,6 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
         plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
     launch_decode(call, dims, plan, guard or spare_guard(device))
     return dims
-
-
-def spare_guard(device: torch.device) -> SlotGuard:
-    """An error record nobody reads, for the op's launches (the kernel records only in the pool's calls)."""
-    guard = _SPARE.get(device)
-    if guard is None:
-        guard = _SPARE[device] = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device),
-                                           torch.zeros(1, dtype=torch.int32, device=device))
-    return guard
-
-
-_SPARE: dict[torch.device, SlotGuard] = {}
 
 
 def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, guard: SlotGuard) -> None:

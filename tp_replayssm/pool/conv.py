@@ -102,7 +102,7 @@ def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: t
         y = conv_update_torch(pool, layer, x, weight, slots, bias, activation, guard)
         return y if out is None else out.copy_(y)
     from ..kernels.conv import launch_conv
-    from ..kernels.launch import spare_guard
+    from ..kernels.guard import spare_guard
 
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     if x.shape[0]:
