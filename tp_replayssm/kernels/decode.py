@@ -192,7 +192,7 @@ def replayssm_decode_kernel(
                     # G_c past the bound (unbounded gates): this head rebases its ring instead of appending
                     # k*exp(-G_c) (docs/kernel_design.md); never under (L-1)*|lower_bound| <= the bound
                     if predecayed_ring >= 2:  # (1: a bounded gate that cannot get there; the wrapper decides)
-                        rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -_validation.PREDECAYED_MAX_LOG_DECAY
+                        rebase = (torch.amin(g_cum, dim=0) < -75.0) & append  # -validation.PREDECAYED_MAX_LOG_DECAY
                     if predecayed_ring == 2:  # 2: through the flush branch
                         append = append & (rebase == 0)
                         emptied_to = torch.where(rebase, cur, -1)  # a rebase zeroes the deltas j <= c
