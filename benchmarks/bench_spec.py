@@ -175,6 +175,26 @@ def graph_us(step_fns: list, rep_ms: float, reps_multiple: int) -> float:
     return statistics.mean(s.elapsed_time(e) for s, e in evs) * 1e3 / len(step_fns)
 
 
+def kernel_times(step_fns: list) -> dict[str, float]:
+    """Mean GPU time per step of each kernel the steps launch (eager, under ``torch.profiler``): where a step's time
+    goes (the verify kernel, the commit kernels, copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for fn in step_fns:  # compiled and warm
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for fn in step_fns:
+            fn()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if t and ev.key and not ev.key.startswith(("ProfilerStep", "cudaDevice", "cudaStream")):
+            times[ev.key[:60]] = round(t / len(step_fns), 3)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
+
+
 def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, inputs: dict) -> float:
     """One verify + commit on the GPU pool against the PyTorch reference on a CPU copy; the outputs' rel. error."""
     from tp_replayssm import ReplaySSMStatePool
@@ -240,6 +260,7 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
         return fn
 
     period = len(cycle(L, T, args.accept))
+    rec["kernel_us"] = kernel_times([verify_step(i) for i in range(min(n_sets, 2 * period))])
     rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period)
     rec["decode_us"] = graph_us([decode_step(i, True) for i in range(n_sets)], args.rep_ms, L)
     rec["decode_sep_us"] = graph_us([decode_step(i, False) for i in range(n_sets)], args.rep_ms, L)
@@ -301,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             log.exception("shape %s failed", s)
             rows.append({**s, "error": f"{type(exc).__name__}: {exc}"[:200]})
         log.info(table(rows[-1:])[-1])
+        if "kernel_us" in rows[-1]:
+            log.info("  kernels (us per step): %s", rows[-1]["kernel_us"])
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"argv": sys.argv, "device": props.name, "copy_gbps": bw["copy_gbps"], "torch": torch.__version__,
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}

@@ -71,6 +71,9 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
+        if dump:  # the SASS too, for benchmarks/sass_loops.py
+            sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
+            (Path(dump) / "kernel.sass").write_text(sass.stdout)
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
     res["shared"] = max(res["shared"], int(compiled.metadata.shared))

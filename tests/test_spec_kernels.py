@@ -194,7 +194,7 @@ def test_gpu_verify_and_commit_match_reference(heads: KDAHeads, batch: int, layo
     t = torch.tensor(slots, dtype=torch.int32, device="cuda")
     _warm(pool, model, [[s if r % 5 > i else -1 for r, s in enumerate(slots)] for i in range(4)], gen)
     T = 4
-    parents = torch.tensor([[-1, 0, 0, 1]] * batch, dtype=torch.int32) if tree else None
+    parents = torch.tensor([[-1, 0, 0, 1]] * batch, dtype=torch.int32, device="cuda") if tree else None
     live = [r for r, s in enumerate(slots) if s >= 0]
     for step in range(6):
         ref = _to(pool, "cpu")

@@ -3,7 +3,8 @@
 :class:`PoolFingerprint` is what every rank of a group must agree on; :func:`local_problems` is one rank's own
 verdict (tensors on the expected device, that device current, its shard index), :func:`cross_rank_problems` what
 only the gathered verdicts show (two ranks on one GPU, fingerprints that disagree), and
-:func:`format_placement_error` the one text every rank raises, a pure function of the gathered :class:`RankReport`\ s.
+:func:`format_placement_error` the one text every rank raises, a pure function of the gathered
+:class:`RankReport` objects.
 The collective protocol that exchanges them is :mod:`.placement`.
 """
 
