@@ -85,7 +85,6 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     """``(kernel, args, plan)`` of the verify kernel for a call of that shape (CPU tensors; nothing runs)."""
     import torch
 
-    from tp_replayssm.kernels.verify import verify_kernel_for
     from tp_replayssm.kernels.verify_args import verify_kernel_args
     from tp_replayssm.kernels.verify_plan import VerifyProblem, plan_verify
     from tp_replayssm.kernels.guard import ERROR_WORDS, SlotGuard
@@ -118,7 +117,7 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
         plan = dataclasses.replace(plan, **fields)
     guard = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     args = verify_kernel_args(call, dims, plan, guard).values
-    return verify_kernel_for(plan.value_tile, plan.num_warps), args, plan
+    return plan.kernel, args, plan
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lower-bound", type=float, default=None)
     ap.add_argument("--commit", action="store_true", help="the commit kernels instead")
     ap.add_argument("--override", default="", help="plan fields, e.g. 'value_tile=32,num_warps=8'")
-    ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_verify_kernel replaces the library's")
+    ap.add_argument("--kernel", default=None, help="a .py file whose kernel of the plan's form (same name) replaces the library's")
     ap.add_argument("--dump", default=os.environ.get("KERNEL_REGS_DUMP"))
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -170,8 +169,8 @@ def main(argv: list[str] | None = None) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules["candidate_verify_kernel"] = module
         spec.loader.exec_module(module)
-        kernel = helion.kernel(module.replayssm_verify_kernel, config=kernel.configs[0], **module._SETTINGS)
-    r = compile_sm90(kernel, kargs, plan.num_warps, "_helion_replayssm_verify_kernel", args.dump)
+        kernel = helion.kernel(getattr(module, kernel.fn.__name__), config=kernel.configs[0], **module._SETTINGS)
+    r = compile_sm90(kernel, kargs, plan.num_warps, "_helion_" + kernel.fn.__name__, args.dump)
     print(f"triton {triton.__version__}, {plan}: {r['regs']} registers/thread, {r['shared']} B shared, "
           f"{r['stack']} B stack (spills), {r['local']} B local")
 

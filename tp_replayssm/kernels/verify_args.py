@@ -1,4 +1,4 @@
-"""The verify kernel's arguments (views of the call's tensors, each tagged with the input it views) and its launch.
+"""The verify kernels' arguments (views of the call's tensors, each tagged with the input it views) and its launch.
 
 Caches are passed as the decode kernel's overlapping row views (:func:`tp_replayssm.kernels.args.rows_view`); the
 activations as one ``as_strided`` view each (``q4``, ``k4 [B, T, H, K]``, ``v4 [B, T, HV, V]`` over ``mixed_qkv``'s
@@ -16,13 +16,16 @@ from ..spec_validation import VerifyCall, VerifyDims
 from ..validation import resolve_scale
 from . import direct
 from .args import rows_view
-from .verify import replayssm_verify_kernel, verify_kernel_for
+from .verify import replayssm_verify_kernel
+from .verify_mma import replayssm_verify_mma_kernel
 from .verify_plan import VerifyPlan
 
 __all__ = ["DIRECT_PLANS", "launch_verify", "verify_kernel_args"]
 
 DIRECT_PLANS = direct.PlanCache("replayssm_verify")
-_PARAMS = tuple(inspect.signature(replayssm_verify_kernel).parameters)
+# the positional parameters of each form's kernel (tensor_cores -> names)
+_PARAMS = {False: tuple(inspect.signature(replayssm_verify_kernel).parameters),
+           True: tuple(inspect.signature(replayssm_verify_mma_kernel).parameters)}
 INPUTS = ("mixed_qkv", "a", "b", "A_log", "dt_bias", "initial_state", "d_cache", "k_cache", "g_cache", "out",
           "slots", "cursors", "parents", "folded", "counters", "slot_errors", "call_code")
 _SOURCE = {name: i for i, name in enumerate(INPUTS)}
@@ -81,12 +84,12 @@ def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, gua
     values = {"scale": scale, "num_slots": dims.num_slots,
               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
               **direct.cache_strides(st, dr, kr, gr), **plan.constexprs()}
-    return direct.ordered_args(_PARAMS, tensors, values, _SOURCE)
+    return direct.ordered_args(_PARAMS[plan.tensor_cores], tensors, values, _SOURCE)
 
 
 def launch_verify(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: SlotGuard) -> None:
     """Launch the verify kernel for a validated call with ``plan`` (no checks)."""
-    kernel = verify_kernel_for(plan.value_tile, plan.num_warps)
+    kernel = plan.kernel
     scale = resolve_scale(call.scale, dims.key_dim)
     DIRECT_PLANS.launch(
         kernel, kernel.configs[0], lambda: verify_kernel_args(call, dims, plan, guard), _inputs(call, guard),

@@ -1,16 +1,20 @@
-"""The verify kernel's launch plan: every compile-time choice of one verify launch, made in one place.
+"""The verify kernels' launch plan: every compile-time choice of one verify launch, made in one place.
 
 :func:`plan_verify` maps a :class:`VerifyProblem` (sizes, dtypes, device, ring layout, tree or chain, gate) to a frozen
-:class:`VerifyPlan`: the value tile, value chunk and warps of the programs, and every constexpr of
-:func:`tp_replayssm.kernels.verify.replayssm_verify_kernel`. A test or a benchmark that wants another launch passes its
-own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``), which :meth:`VerifyPlan.check` validates.
+:class:`VerifyPlan`: which kernel (the tensor-core form, :mod:`tp_replayssm.kernels.verify_mma`, or the CUDA-core
+form, :mod:`tp_replayssm.kernels.verify`), its value tile, value chunk and warps, and every constexpr. A test or a
+benchmark that wants another launch passes its own plan (``dataclasses.replace(plan_verify(problem), value_tile=64)``),
+which :meth:`VerifyPlan.check` validates.
 
-The rules (to be timed on the H200, ``benchmarks/bench_spec.py``): programs of 4 warps (a program holds the drafts'
-``[Tb, K]`` fp32 tiles and, per chunk step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers); the
-narrowest value tile of 16 / 32 / 64 / 128 rows whose grid fits one wave of :data:`PROGRAMS_PER_SM` programs per SM
-(more programs in flight where the grid is small), else the whole ``V``; value chunks of ``32 / Tb`` rows (the chunk
-step's
-``[Vc, Tb, K]`` products in registers: 168 registers per thread at ``T = 4``, K = 128).
+The rules (sm_90 register counts from ``benchmarks/spec_regs.py``; times from ``benchmarks/bench_spec.py``,
+docs/spec.md):
+
+- the tensor-core form wherever it can run (:func:`tensor_core_refusal`: pre-decayed bf16 rings, power-of-two widths,
+  at most :data:`MMA_MAX_DRAFTS` drafts): :data:`MMA_WARPS`-warp programs over 16-row chunks, the narrowest value tile
+  of 16 / 32 / 64 rows whose grid fits one wave of :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``;
+- elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
+  step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
+  :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ..spec_validation import VerifyCall, VerifyDims
 from ..validation import PREDECAYED_MAX_LOG_DECAY
 from .plan import H200_SMS, NAMED_BLOCK, _sm_count
 
-__all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of"]
+__all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of", "tensor_core_refusal"]
 
 # resident 4-warp verify programs per SM (168 registers per thread: 3 CTAs of 128 threads in 64K registers)
 PROGRAMS_PER_SM = 3
@@ -34,6 +38,14 @@ PROGRAMS_PER_SM = 3
 # with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
 CHUNK_DRAFT_ROWS = 32
 NUM_WARPS = 4
+# the tensor-core form (kernels/verify_mma.py) where it can run; its operands' bf16 parts; its most drafts
+TENSOR_CORES = True
+MMA_OPERAND_PARTS = 3
+MMA_MAX_DRAFTS = 15
+# its programs: 4 warps (206-238 registers per thread at K = 128, T = 4, no spills; one warp spilled 1.3 KiB) and
+# 16-row chunks, 2 resident per SM (sm_90, triton 3.6, benchmarks/spec_regs.py)
+MMA_WARPS = 4
+MMA_PROGRAMS_PER_SM = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +80,8 @@ class VerifyPlan:
     value_tile: int
     value_chunk: int
     num_warps: int
+    tensor_cores: bool  # the tensor-core kernel (kernels/verify_mma.py), else the CUDA-core one (kernels/verify.py)
+    operand_parts: int  # tensor cores: bf16 parts per fp32 operand (2: ~2^-16, 3: ~2^-24 relative)
     draft_block: int
     predecayed_ring: int  # 0 sglang layout; pre-decayed: 1 no rebase possible, 2 rebases
     tree: bool
@@ -83,19 +97,35 @@ class VerifyPlan:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
 
     @property
-    def config(self) -> helion.Config:
-        """The Helion config (the compiled kernel is cached by ``(value_tile, num_warps)``)."""
+    def kernel(self) -> helion.Kernel:
+        """The compiled kernel object of this plan's form and launch shape."""
+        if self.tensor_cores:
+            from .verify_mma import verify_mma_kernel_for
+
+            return verify_mma_kernel_for(self.value_tile, self.num_warps)
         from .verify import verify_kernel_for
 
-        return verify_kernel_for(self.value_tile, self.num_warps).configs[0]
+        return verify_kernel_for(self.value_tile, self.num_warps)
+
+    @property
+    def config(self) -> helion.Config:
+        """The Helion config (the compiled kernel is cached by ``(form, value_tile, num_warps)``)."""
+        return self.kernel.configs[0]
 
     def constexprs(self) -> dict[str, object]:
         """The kernel's constexpr arguments, by name."""
-        return dict(draft_block=self.draft_block, ring_length=self.ring_length, ring_block=self.ring_block,
-                    value_chunk=self.value_chunk, use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
-                    predecayed_ring=self.predecayed_ring, tree=self.tree, tile_readers=self.tile_readers,
-                    doubling_steps=self.draft_block.bit_length() - 1, named_block=self.named_block,
-                    on_gpu=self.on_gpu)
+        common = dict(draft_block=self.draft_block, ring_length=self.ring_length, ring_block=self.ring_block,
+                      value_chunk=self.value_chunk, use_l2norm=self.use_l2norm, use_lower_bound=self.use_lower_bound,
+                      predecayed_ring=self.predecayed_ring, tree=self.tree, tile_readers=self.tile_readers,
+                      named_block=self.named_block, on_gpu=self.on_gpu)
+        if self.tensor_cores:
+            return dict(common, columns=self.columns, operand_parts=self.operand_parts)
+        return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
+
+    @property
+    def columns(self) -> int:
+        """The tensor-core products' columns ``N``: every draft's k and q product, a power of two >= 16."""
+        return max(16, 1 << (2 * self.draft_block - 1).bit_length())
 
     def check(self, problem: VerifyProblem) -> None:
         """``ValueError`` unless this plan can run ``problem``."""
@@ -111,6 +141,13 @@ class VerifyPlan:
         if self.value_chunk < 1 or self.value_chunk & (self.value_chunk - 1) or self.value_chunk > self.value_tile:
             raise ValueError(f"VerifyPlan: `value_chunk` must be a power of two in [1, value_tile]; got "
                              f"{self.value_chunk}")
+        if self.tensor_cores:
+            why = tensor_core_refusal(problem)
+            if why:
+                raise ValueError(f"VerifyPlan: `tensor_cores` cannot run this call: {why}")
+            if self.value_chunk < 16 or self.operand_parts not in (2, 3):
+                raise ValueError(f"VerifyPlan: the tensor-core form needs `value_chunk` >= 16 and `operand_parts` "
+                                 f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
 
 
 def problem_of(call: VerifyCall, dims: VerifyDims, ring_layout: str) -> VerifyProblem:
@@ -122,6 +159,22 @@ def problem_of(call: VerifyCall, dims: VerifyDims, ring_layout: str) -> VerifyPr
                          dims.ring_length, call.initial_state.dtype, call.d_cache.dtype, device.type,
                          _sm_count(device), ring_layout, call.parents is not None,
                          bool(call.use_qk_l2norm_in_kernel), lb is not None, bounded)
+
+
+def tensor_core_refusal(problem: VerifyProblem) -> str:
+    """Why the tensor-core form cannot run ``problem`` ('' when it can): it takes pre-decayed bf16 rings (exact MMA
+    operands), power-of-two key and value widths of at least 16 (MMA tiles) and at most :data:`MMA_MAX_DRAFTS`
+    drafts (32 product columns)."""
+    if problem.ring_layout != "predecayed":
+        return f"the {problem.ring_layout!r} ring layout (it runs the pre-decayed one)"
+    if problem.cache_dtype != torch.bfloat16:
+        return f"a {problem.cache_dtype} ring cache (it needs bf16)"
+    for name, n in (("key_dim", problem.key_dim), ("value_dim", problem.value_dim)):
+        if n < 16 or n & (n - 1):
+            return f"`{name}` {n} (a power of two >= 16)"
+    if problem.drafts > MMA_MAX_DRAFTS:
+        return f"{problem.drafts} drafts (at most {MMA_MAX_DRAFTS})"
+    return ""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,8 +199,20 @@ def plan_verify(problem: VerifyProblem) -> VerifyPlan:
     else:
         mode = 2
     draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
+    mma = TENSOR_CORES and not tensor_core_refusal(problem)
+    if mma:  # 4-warp programs of 16-row chunks; the narrowest value tile whose grid fits one wave
+        warps, chunk = MMA_WARPS, 16
+        if problem.device_type == "cuda":
+            vt = full
+            for cand in (16, 32, 64):
+                if cand < full and pairs * -(-V // cand) <= MMA_PROGRAMS_PER_SM * sms:
+                    vt = cand
+                    break
+        vt = max(16, min(vt, full))
+    else:
+        warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
-        value_tile=vt, value_chunk=min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block)), num_warps=NUM_WARPS,
+        value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=MMA_OPERAND_PARTS,
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),

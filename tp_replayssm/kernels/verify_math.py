@@ -1,0 +1,119 @@
+"""Helpers of the tensor-core verify kernel (:mod:`tp_replayssm.kernels.verify_mma`), traced by Helion as ordinary
+Python and torch code: their loops over the ``T`` drafts run at trace time, so every list they build holds one value
+per draft (or per pair of drafts) and the kernel gets straight-line code.
+
+Notation (docs/spec.md): draft ``t`` has the parent ``par_t`` (``-1``: the committed state), keys ``k_t``, queries
+``q_t`` (scaled), log-gates ``g_t`` and ``beta_t``; ``anc[t][u]`` is 1 where ``u`` is a strict ancestor of ``t``;
+``Gam_t = g_t + sum_{u anc t} g_u`` the gate sum along its own path. None of them indexes a kernel argument (Helion
+lowers loads and stores in the kernel body only).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ancestry", "bf16_parts", "column_matrix", "min_log_decay", "pair_terms", "path_sums", "solve_chunk",
+           "stack_rows"]
+
+
+def ancestry(parents, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``anc[t][u]`` (fp32 0-d tensors, ``u < t``) from the parents ``parents[t]`` (int32 0-d tensors, each ``-1`` or
+    an earlier node): ``u`` is an ancestor of ``t`` if it is ``t``'s parent or an ancestor of that parent."""
+    anc = []
+    for t in range(T):
+        row = []
+        for u in range(t):
+            a = torch.where(parents[t] == u, 1.0, 0.0)
+            for w in range(u + 1, t):
+                a = a + torch.where(parents[t] == w, 1.0, 0.0) * anc[w][u]
+            row.append(a)
+        anc.append(row)
+    return anc
+
+
+def path_sums(gates, anc, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``Gam_t [K] = g_t + sum_{u anc t} g_u``: each draft's log-decay from the committed state."""
+    gam = []
+    for t in range(T):
+        s = gates[t]
+        for u in range(t):
+            s = s + anc[t][u] * gates[u]
+        gam.append(s)
+    return gam
+
+
+def min_log_decay(tot, gam, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """The smallest cumulative gate ``min_{t, k} (tot + Gam_t)[k]`` of the drafts (the pre-decayed rebase test)."""
+    low = torch.amin(tot + gam[0], dim=0)
+    for t in range(1, T):
+        low = torch.minimum(low, torch.amin(tot + gam[t], dim=0))
+    return low
+
+
+def pair_terms(qs, ks, gam, anc, betas, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """The drafts' couplings through their ancestors' deltas (0-d fp32 tensors):
+    ``nk[t][u] = beta_t * anc[t][u] * k_u . (exp(Gam_t - Gam_u) k_t)`` (u < t) and ``mq[t][u] = anc[t][u] * q_t .
+    (exp(Gam_t - Gam_u) k_u)`` (u < t), ``mq[t][t] = q_t . k_t``. The exponent of a non-ancestor is masked to 0 before
+    the exp (it may be positive), so every term is finite."""
+    nk, mq = [], []
+    for t in range(T):
+        nrow, qrow = [], []
+        for u in range(t):
+            decay = torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
+            ku_dec = ks[u] * decay
+            nrow.append(betas[t] * anc[t][u] * torch.sum(ku_dec * ks[t], dim=0))
+            qrow.append(anc[t][u] * torch.sum(ku_dec * qs[t], dim=0))
+        qrow.append(torch.sum(ks[t] * qs[t], dim=0))
+        nk.append(nrow)
+        mq.append(qrow)
+    return nk, mq
+
+
+def solve_chunk(pk, pq, vs, betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """One value chunk's draft deltas and outputs (``[Vc]`` each) from the products with the committed state
+    ``pk[t] = S_c' @ k_t``, ``pq[t]`` likewise with ``q_t``: forward substitution along each draft's ancestors,
+    ``delta_t = beta_t (v_t - pk_t) - sum_{u<t} nk[t][u] delta_u`` and
+    ``out_t = pq_t + sum_{u<=t} mq[t][u] delta_u``."""
+    deltas, outs = [], []
+    for t in range(T):
+        d = betas[t] * (vs[t] - pk[t])
+        for u in range(t):
+            d = d - nk[t][u] * deltas[u]
+        deltas.append(d)
+        o = pq[t] + mq[t][t] * d
+        for u in range(t):
+            o = o + mq[t][u] * deltas[u]
+        outs.append(o)
+    return deltas, outs
+
+
+def column_matrix(aks, aqs, col, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``A [K, N]`` fp32: column ``t`` holds ``ak_t``, column ``T + t`` holds ``aq_t`` (``col [1, N]`` the column
+    index, the vectors come as ``[K, 1]``), the rest zero. ``S @ A`` gives every draft's two products at once."""
+    a = torch.where(col == 0, aks[0], 0.0)
+    for t in range(T):
+        if t > 0:
+            a = a + torch.where(col == t, aks[t], 0.0)
+        a = a + torch.where(col == T + t, aqs[t], 0.0)
+    return a
+
+
+def bf16_parts(x, parts: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``x`` (fp32) as ``parts`` bf16 tensors whose sum is ``x`` to ~``2^(-8 parts)`` relative: ``hi = bf16(x)``,
+    ``mid = bf16(x - hi)``, ``lo = bf16(x - hi - mid)``. Tensor-core products of exact bf16 operands with each part,
+    accumulated in fp32, then give fp32-accurate products."""
+    hi = x.to(torch.bfloat16)
+    rest = x - hi.to(torch.float32)
+    mid = rest.to(torch.bfloat16)
+    if parts == 2:
+        return hi, mid
+    return hi, mid, (rest - mid.to(torch.float32)).to(torch.bfloat16)
+
+
+def stack_rows(vectors, tt, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``[Tb, K]``: row ``t < T`` holds ``vectors[t]`` (each ``[1, K]``; ``tt [Tb, 1]`` the row index), the rest
+    zero."""
+    x = torch.where(tt == 0, vectors[0], 0.0)
+    for t in range(1, T):
+        x = x + torch.where(tt == t, vectors[t], 0.0)
+    return x
