@@ -7,11 +7,13 @@ allocated slot holds random data with its cursor mid-ring, so an export replays 
 
 1. ``fork``: one call forking ``pairs`` slots (``--pairs``, default 1 and 8) across every layer (checkpoint, rings,
    cursor, conv window), graph-captured: one graph replays ``calls`` fork calls on disjoint slots (together at
-   least 4x L2 of bytes moved); ``us`` = median replay / calls; ``GB/s`` = bytes read + written / time. ``floor_us``
-   is a plain device copy of the same bytes, captured the same way (what the data movement alone costs), and
-   ``padded_us`` a call of ``pairs`` pairs of which all but one are padding (``dst = -1``) -- the torch ops move a
-   whole slot for every pair, so this shows what padding pairs cost. After timing every destination must equal
-   its source bit for bit (``check``).
+   least 4x L2 of bytes moved); ``us`` = median replay / calls of ``pool.fork`` (on CUDA the one-launch fork kernel,
+   ``path``); ``GB/s`` = bytes read + written / time. ``floor_us`` is a plain device copy of the same bytes,
+   captured the same way (what the data movement alone costs), ``padded_us`` a call of ``pairs`` pairs of which all
+   but one are padding (``dst = -1``: the kernel's programs of a padding pair copy nothing; the torch ops move a
+   whole slot for every pair), and ``torch_us`` the same forks through the torch ops
+   (``tp_replayssm.pool.lifecycle.fork_torch``, the CPU path) for comparison. After timing every destination must
+   equal its source bit for bit (``check``).
 2. ``export``: ``export_state`` of ``n`` slots (``--export-slots``) to pinned CPU memory, blocking and with
    ``non_blocking=True`` (until ``wait()`` returns); ``GB/s`` = shard bytes (fp32 states + conv windows) / time,
    against ``d2h_GB/s``, a pinned device -> host copy of the same bytes measured in the same run.
@@ -202,6 +204,10 @@ def shard_bytes(shard: Any) -> int:
 
 
 def bench_fork(HV: int, state: str, args: argparse.Namespace, l2_bytes: int, records: list[dict]) -> None:
+    from tp_replayssm.kernels.backend import runs_kernel
+    from tp_replayssm.kernels.fork import pool_words
+    from tp_replayssm.pool.lifecycle import fork_torch
+
     dev = args.device
     probe = make_pool(HV, state, 2, args)
     per_slot = slot_bytes(probe)
@@ -215,12 +221,20 @@ def bench_fork(HV: int, state: str, args: argparse.Namespace, l2_bytes: int, rec
         dst = [s + pairs for s in src]
         padded = [torch.where(torch.arange(pairs, device=dev) == 0, d, -1).to(torch.int32) for d in dst]
 
+        guard = pool.guard("fork")
+
         def forks(dsts: list[torch.Tensor] = dst) -> None:
             for s, d in zip(src, dsts):
                 pool.fork(s, d)
 
+        def torch_forks() -> None:
+            for s, d in zip(src, dst):
+                fork_torch(pool, s, d, guard)
+
         us = graph_us(forks, calls, args)
         pad_us = graph_us(lambda: forks(padded), calls, args)
+        torch_us = graph_us(torch_forks, calls, args)
+        path = "kernel" if runs_kernel(dev, "bench_lifecycle") and pool_words(pool) is not None else "torch"
         nbytes = 2 * per_slot * pairs
         floor = nbytes / (copy_gbps(nbytes // 2, "d2d", args) * 1e3)
         sync(dev)
@@ -234,7 +248,7 @@ def bench_fork(HV: int, state: str, args: argparse.Namespace, l2_bytes: int, rec
             ok = False
             log(f"  fork check: {exc}")
         records.append(dict(kind="fork", HV=HV, state=state, pairs=pairs, calls=calls, bytes=nbytes, us=us,
-                            GBps=nbytes / us / 1e3, floor_us=floor, padded_us=pad_us,
+                            GBps=nbytes / us / 1e3, floor_us=floor, padded_us=pad_us, torch_us=torch_us, path=path,
                             check="ok" if ok else "WRONG: a destination differs from its source"))
         del pool
 
@@ -280,7 +294,8 @@ def table(records: list[dict]) -> str:
     for r in records:
         mb = r["bytes"] / 2**20
         if r["kind"] == "fork":
-            ref = f"floor {r['floor_us']:.1f} us, padded {r['padded_us']:.1f} us"
+            ref = (f"floor {r['floor_us']:.1f} us, padded {r['padded_us']:.1f} us, torch ops {r['torch_us']:.1f} us "
+                   f"({r['path']})")
             lines.append(f"fork    {r['HV']:2d} {r['state']:5s} {r['pairs']:3d} {mb:8.2f} {r['us']:9.1f} "
                          f"{r['GBps']:8.1f}  {ref:22s} {r['check']}")
         elif r["kind"] in ("export", "import"):

@@ -5,6 +5,7 @@
   :mod:`.launch` (``run_decode``, the entry of every decode: validate, choose the path, plan, launch).
 - :mod:`.cursor`: the pool's cursor advance kernel (and its torch form).
 - :mod:`.conv`: the short causal convolution over a slot's window.
+- :mod:`.fork`: the pool's fork (slots become byte copies of others, every layer) in one launch.
 - :mod:`.verify` (with :mod:`.verify_plan`, :mod:`.verify_args`, :mod:`.verify_launch`) and :mod:`.commit`:
   speculative decoding's verify of T drafts and the commit of the accepted ones.
 - :mod:`.direct`: eager launches that skip Helion's and Triton's per-call dispatch (every kernel launches through it).

@@ -2,11 +2,13 @@
 
 - :func:`fork` makes slots copies of others (a request that shares another's prefix): every layer's checkpoint,
   ring (d/k/g), the cursor and the conv window of ``dst`` become those of ``src``, byte for byte, so ``read_state``
-  and every later decode of ``dst`` equal ``src``'s until their inputs differ. Torch ops on the device (one gather
-  and one scatter per pool tensor), no host sync, CUDA-graph capturable. A pair is a padding pair when ``dst < 0``;
-  any other pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice among the call's pairs (as
-  a source or a destination, ``dst == src`` included) is refused with no byte of any slot changed, and recorded for
-  ``pool.check()`` under method ``fork``.
+  and every later decode of ``dst`` equal ``src``'s until their inputs differ. Where kernels run
+  (:mod:`tp_replayssm.kernels.backend`) it is one launch of the Helion kernel of :mod:`tp_replayssm.kernels.fork`;
+  on CPU tensors (and for a pool whose slot blocks are not whole int32 words) :func:`fork_torch`, one gather and
+  one scatter per pool tensor. No host sync either way, CUDA-graph capturable. A pair is a padding pair when
+  ``dst < 0``; any other pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice among the
+  call's pairs (as a source or a destination, ``dst == src`` included) is refused with no byte of any slot
+  changed, and recorded for ``pool.check()`` under method ``fork``.
 - :func:`export_state` materializes the slots' state (checkpoint plus replayed ring, fp32, every layer) and conv
   windows into a :class:`~tp_replayssm.pool.shard.StateShard`, on the CPU (pinned, optionally asynchronous) or any
   device. It changes nothing.
@@ -25,17 +27,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..kernels import fork as fork_kernels
+from ..kernels.backend import runs_kernel
+from ..kernels.guard import SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
 from . import conv
 from .shard import StateShard
-from ..kernels.guard import record_bad_rows
 from .slots import host_ids, raise_slot_error
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["export_state", "fork", "import_state", "materialize", "pair_verdict"]
+__all__ = ["export_state", "fork", "fork_torch", "import_state", "materialize", "pair_verdict"]
 
 # the most fp32 state bytes materialized on the pool's device at once by an export (layers are done in chunks)
 EXPORT_CHUNK_BYTES = 256 << 20
@@ -59,8 +63,8 @@ def pair_verdict(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor
 
 
 def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """:meth:`ReplaySSMStatePool.fork`: argument checks (debug mode: the pairs on the host), the pairs' verdict,
-    one gather and one scatter per pool tensor, the record of refused pairs (module docstring)."""
+    """:meth:`ReplaySSMStatePool.fork`: argument checks (debug mode: the pairs on the host), then one launch of the
+    fork kernel where kernels run, else :func:`fork_torch` (module docstring)."""
     where = "ReplaySSMStatePool.fork"
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != pool.device:
@@ -72,6 +76,19 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
         _debug_check_pairs(pool, src, dst, where)
     if src.shape[0] == 0:
         return
+    guard = pool.guard("fork")
+    if runs_kernel(pool.device, where):
+        words = fork_kernels.pool_words(pool)
+        if words is not None:
+            fork_kernels.launch_fork(pool, words, src, dst, guard)
+            return
+    fork_torch(pool, src, dst, guard)
+
+
+def fork_torch(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, guard: SlotGuard) -> None:
+    """The fork of validated pairs ``src, dst [n]`` (``n >= 1``) as torch ops, the reference for the kernel: the
+    pairs' verdict, one gather and one scatter per pool tensor, the record of refused pairs in ``guard``. No host
+    sync."""
     ok, bad, shown = pair_verdict(pool, src, dst)
     # Refused and padding pairs copy one slot onto itself: the first good pair's source (no good pair writes it,
     # since sources and destinations are named once), or slot 0 when no pair is good. Every such write puts back
@@ -85,7 +102,6 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
         if t is not None:
             t.index_copy_(1, to_idx, t.index_select(1, from_idx))
     pool.cursors.index_copy_(0, to_idx, pool.cursors.index_select(0, from_idx))
-    guard = pool.guard("fork")
     record_bad_rows(guard.errors, guard.code, bad, shown)
 
 

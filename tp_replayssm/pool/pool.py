@@ -284,8 +284,9 @@ class ReplaySSMStatePool:
         """Make every layer's checkpoint, ring, cursor and conv window of slots ``dst [n]`` those of ``src [n]``
         (int32 on ``pool.device``), byte for byte: no flush, and the two evolve independently afterwards. A pair
         with ``dst < 0`` is padding; a pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice
-        in the call (``dst == src`` included) is refused, changes nothing and is recorded for :meth:`check`. No
-        host sync, CUDA-graph capturable (:mod:`tp_replayssm.pool.lifecycle`)."""
+        in the call (``dst == src`` included) is refused, changes nothing and is recorded for :meth:`check`. One
+        kernel launch on CUDA (:mod:`tp_replayssm.kernels.fork`), no host sync, CUDA-graph capturable
+        (:mod:`tp_replayssm.pool.lifecycle`)."""
         lifecycle.fork(self, src, dst)
 
     def export_state(self, slots: torch.Tensor | Sequence[int], *, device: torch.device | str | None = "cpu",
