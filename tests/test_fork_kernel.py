@@ -75,11 +75,12 @@ def i32(values: list[int], device: torch.device | str) -> torch.Tensor:
 CALLS = (
     ([0, 3, -5], [1, -1, -2]),  # a good pair, two padding pairs (src < -1: the programs run the verdict, idle)
     ([S, 1, 2], [4, 3, 5]),  # src out of range; a good pair; dst freed
-    ([0, 0, 2], [3, 4, 1]),  # src repeated (both refused); a good pair
+    ([0, 0, 2], [3, 4, 0]),  # a source that is another pair's destination: all three refused
     ([-1, 2, 1], [3, 2, 100000]),  # negative src; dst == src; dst far out of range
     ([4, 7, 3], [2, -7, 1]),  # good (4 -> 2); a padding pair whose src is never allocated; good (3 -> 1)
     ([0, 1], [1, 2]),  # dst is another pair's src: both refused
     ([6, 3], [0, 4]),  # src never allocated; good
+    ([1, 1, 5], [0, 3, -1]),  # fan-out: one source into two destinations (both good); a padding pair
 )
 
 
@@ -143,8 +144,8 @@ def test_kernel_in_the_interpreter_matches_the_torch_ops_bit_for_bit(interpreter
     with pytest.raises(SlotError) as info:
         pool.check()
     msg = str(info.value)
-    # the first bad call's rows and every later bad fork call's (one code for all fork calls): 12 rows, 8 recorded
-    assert msg.startswith("ReplaySSMStatePool.fork: 12 row(s)"), msg
+    # the first bad call's rows and every later bad fork call's (one code for all fork calls): 13 rows, 8 recorded
+    assert msg.startswith("ReplaySSMStatePool.fork: 13 row(s)"), msg
     assert "row 0 slot 8, row 2 slot 5, row 0 slot 0" in msg, msg
     twin.slot_errors.zero_()
     pool.check()

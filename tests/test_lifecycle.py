@@ -200,7 +200,8 @@ BAD_PAIRS = {  # case -> (src, dst, {bad row: the slot the record names})
     "dst-never-allocated": ([0, 1], [6, 3], {0: 6}),
     "dst-equals-src": ([2, 0], [2, 1], {0: 2}),
     "dst-repeated": ([0, 1], [3, 3], {0: 3, 1: 3}),
-    "src-repeated": ([0, 0, 1], [2, 3, 4], {0: 0, 1: 0}),
+    "fan-out": ([0, 0, 1], [2, 3, 4], {}),  # one source into two destinations: every pair copies
+    "src-is-a-dst": ([0, 0], [1, 0], {0: 0, 1: 0}),
     "dst-is-another-pairs-src": ([0, 1], [1, 2], {0: 1, 1: 1}),
     "negative-src": ([-1, 1], [2, 3], {0: -1}),
     "every-pair-bad": ([5, 7, 2], [1, 0, 2], {0: 5, 1: 7, 2: 2}),
@@ -240,12 +241,15 @@ def test_fork_debug_mode_raises_at_the_call_and_writes_nothing() -> None:
     pool = busy_pool("predecayed", Driver(), debug=True)
     before = snapshot(pool)
     for src, dst, match in (([0], [5], r"fork \(pairs \[\(0, 5\)\]\) \(debug check\): slots out of range .*\[5\]"),
-                            ([0, 1], [1, 2], "given more than once in one call: \\[1\\]"),
-                            ([3], [3], "given more than once"), ([-1], [2], r"not allocated: \[-1\]")):
+                            ([0, 1], [1, 2], "named as a source and as a destination: \\[1\\]"),
+                            ([3], [3], "as a source and as a destination: \\[3\\]"),
+                            ([0, 1], [2, 2], "given more than once in one call: \\[2\\]"),
+                            ([-1], [2], r"not allocated: \[-1\]")):
         with pytest.raises(SlotError, match=match):
             pool.fork(ids(*src), ids(*dst))
     assert_same(pool, before, "debug refusals")
     pool.fork(ids(0, 6), ids(1, -1))  # a padding pair's src is not checked
+    pool.fork(ids(0, 0), ids(2, 3))  # one source into two destinations
     pool.check()
 
 
@@ -287,7 +291,7 @@ def test_fork_reads_nothing_back_to_the_host() -> None:
     syncing = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.item", "aten.is_nonzero",
                "aten.unique_consecutive", "aten._unique2"}
     assert not syncing & set(ops.names), sorted(syncing & set(ops.names))
-    assert len(ops.names) < 120, len(ops.names)
+    assert len(ops.names) < 130, len(ops.names)  # (121 ops: the verdict counts sources and destinations apart)
     with pytest.raises(SlotError, match="row 1 slot 6, row 3 slot 2"):
         pool.check()
 

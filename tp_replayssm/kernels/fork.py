@@ -13,15 +13,16 @@ every tensor spreads over the same ``C`` chunks: each program moves about the sa
 1. reads its pair's ids (a padding pair's programs, ``dst < 0``, stop there) and issues the loads of its chunks
    from ``src`` (their addresses depend on ``src`` only, so their latency overlaps the verdict's loads);
 2. decides the pair's verdict exactly as :func:`tp_replayssm.pool.lifecycle.pair_verdict` does: ``src`` and
-   ``dst`` in ``[0, S)``, allocated (cursor in ``[0, L-1]``; a free slot's is ``FREE_CURSOR``), each named once
-   among the ``src`` and ``dst`` of the call's non-padding pairs (a scan of the call's ids);
+   ``dst`` in ``[0, S)``, allocated (cursor in ``[0, L-1]``; a free slot's is ``FREE_CURSOR``), ``dst`` the
+   ``dst`` of this pair alone and the ``src`` of none, ``src`` the ``dst`` of none (a source may feed several
+   pairs), among the call's non-padding pairs (a scan of the call's ids);
 3. stores its chunks into ``dst`` only for a good pair. The pair's first program (chunk 0, layer 0) also copies
    the cursor, or, for a refused pair, records it in the pool's error record (as the decode kernel records a
    refused row), with the slot at fault (``src`` when the source is bad, else ``dst``).
 
 No two programs of a call write one word, and no verdict depends on another program's writes: a good pair's
-``src`` and ``dst`` are named once in the call, so no other pair's programs read them, and its own programs find
-``dst``'s cursor valid before the copy and after it (then the source's). Refused and padding pairs write nothing.
+``dst`` is named once in the call and its ``src`` is no pair's ``dst``, so no program writes what another reads,
+and its own programs find ``dst``'s cursor valid before the copy and after it (then the source's). Refused and padding pairs write nothing.
 On sm_90+ it is launched with programmatic dependent launch like the other kernels. :func:`fork_bytes` counts what
 a call moves; docs/lifecycle.md has the grid and bytes of the Kimi-Linear shapes.
 """
@@ -117,7 +118,8 @@ def fork_kernel(
                 o_cv = c * conv_block + hl.arange(conv_block)
                 x_cv = hl.load(conv_w, [l64 * conv_ls + s64 * conv_ss + o_cv],
                                extra_mask=torch.where(s_in, o_cv < conv_words, False))
-            # 2. the verdict (lifecycle.pair_verdict): in range, allocated, named once among the non-padding pairs
+            # 2. the verdict (lifecycle.pair_verdict): in range, allocated; among the non-padding pairs, ``src`` no
+            # pair's ``dst`` (several pairs may read one source) and ``dst`` one pair's ``dst`` and no pair's ``src``
             cur_s = cursors[torch.where(s_in, s, num_slots)]
             cur_d = cursors[torch.where(d_in, d, num_slots)]
             named_s = s * 0
@@ -128,11 +130,10 @@ def fork_kernel(
                 src_j = hl.load(src, [j], extra_mask=live)
                 dst_j = hl.load(dst, [j], extra_mask=live)
                 counted = live & (dst_j >= 0)
-                named_s = named_s + torch.sum(torch.where(counted & (src_j == s), 1, 0)
-                                              + torch.where(counted & (dst_j == s), 1, 0), dim=0).to(torch.int32)
+                named_s = named_s + torch.sum(torch.where(counted & (dst_j == s), 1, 0), dim=0).to(torch.int32)
                 named_d = named_d + torch.sum(torch.where(counted & (src_j == d), 1, 0)
                                               + torch.where(counted & (dst_j == d), 1, 0), dim=0).to(torch.int32)
-            src_ok = s_in & (cur_s >= 0) & (cur_s < ring_length) & (named_s == 1)
+            src_ok = s_in & (cur_s >= 0) & (cur_s < ring_length) & (named_s == 0)
             dst_ok = d_in & (cur_d >= 0) & (cur_d < ring_length) & (named_d == 1)
             ok = src_ok & dst_ok
             # 3. the chunks into dst, for a good pair only

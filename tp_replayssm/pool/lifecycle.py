@@ -6,9 +6,10 @@
   (:mod:`tp_replayssm.kernels.backend`) it is one launch of the Helion kernel of :mod:`tp_replayssm.kernels.fork`;
   on CPU tensors (and for a pool whose slot blocks are not whole int32 words) :func:`fork_torch`, one gather and
   one scatter per pool tensor. No host sync either way, CUDA-graph capturable. A pair is a padding pair when
-  ``dst < 0``; any other pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice among the
-  call's pairs (as a source or a destination, ``dst == src`` included) is refused with no byte of any slot
-  changed, and recorded for ``pool.check()`` under method ``fork``.
+  ``dst < 0``; any other pair whose ``src`` or ``dst`` is out of range or not allocated, whose ``dst`` is another
+  pair's ``dst`` or any pair's ``src`` (``dst == src`` included), or whose ``src`` is a pair's ``dst``, is refused
+  with no byte of any slot changed, and recorded for ``pool.check()`` under method ``fork``. One source may feed
+  several pairs (one prefix forked into several requests in one call).
 - :func:`export_state` materializes the slots' state (checkpoint plus replayed ring, fp32, every layer) and conv
   windows into a :class:`~tp_replayssm.pool.shard.StateShard`, on the CPU (pinned, optionally asynchronous) or any
   device. It changes nothing.
@@ -32,7 +33,6 @@ from ..kernels.backend import runs_kernel
 from ..kernels.guard import SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from . import conv
 from .shard import StateShard
 from .slots import host_ids, raise_slot_error
 
@@ -52,14 +52,21 @@ def pair_verdict(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(ok, bad, shown)`` of fork pairs ``src, dst [n]``: ``ok`` the pairs that copy, ``bad`` the refused pairs
     (``dst >= 0`` but not ``ok``), ``shown`` the slot a refused pair is recorded with (its ``src`` when the source is
-    at fault, else its ``dst``). A padding pair (``dst < 0``) names no slot, so its ``src`` makes no other pair a
-    repeat. Torch ops, no host sync."""
-    n = src.shape[0]
-    named_src = torch.where(dst >= 0, src, -1)
-    live, _ = conv.row_verdict(pool, torch.cat([named_src, dst]))  # in range, allocated, named once in the call
-    src_ok, dst_ok = live[:n], live[n:]
-    ok = src_ok & dst_ok
-    return ok, (dst >= 0) & ~ok, torch.where(src_ok, dst, src)
+    at fault, else its ``dst``). A pair copies when both slots are in range and allocated, its ``dst`` is the ``dst``
+    of no other pair and the ``src`` of none, and its ``src`` is no pair's ``dst`` (a source may feed several pairs:
+    it is only read). A padding pair (``dst < 0``) names no slot. Torch ops, no host sync."""
+    S, L = pool.num_slots, pool.ring_length
+    pair = dst >= 0
+    s_in, d_in = (src >= 0) & (src < S), (dst >= 0) & (dst < S)
+    s_idx, d_idx = torch.where(s_in, src, S).long(), torch.where(d_in, dst, S).long()
+    as_dst = torch.zeros(S + 1, dtype=torch.int32, device=src.device).index_add_(0, d_idx, d_in.int())
+    as_src = torch.zeros(S + 1, dtype=torch.int32, device=src.device).index_add_(0, s_idx, (s_in & pair).int())
+    cur_s, cur_d = pool.cursors.index_select(0, s_idx), pool.cursors.index_select(0, d_idx)
+    src_ok = s_in & (cur_s >= 0) & (cur_s < L) & (as_dst.index_select(0, s_idx) == 0)
+    dst_ok = d_in & (cur_d >= 0) & (cur_d < L) & (as_dst.index_select(0, d_idx) == 1) \
+        & (as_src.index_select(0, d_idx) == 0)
+    ok = src_ok & dst_ok & pair
+    return ok, pair & ~ok, torch.where(src_ok, dst, src)
 
 
 def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -90,8 +97,8 @@ def fork_torch(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, g
     pairs' verdict, one gather and one scatter per pool tensor, the record of refused pairs in ``guard``. No host
     sync."""
     ok, bad, shown = pair_verdict(pool, src, dst)
-    # Refused and padding pairs copy one slot onto itself: the first good pair's source (no good pair writes it,
-    # since sources and destinations are named once), or slot 0 when no pair is good. Every such write puts back
+    # Refused and padding pairs copy one slot onto itself: the first good pair's source (no good pair writes it:
+    # a good pair's destination is no pair's source), or slot 0 when no pair is good. Every such write puts back
     # the bytes just read, so the scatter's repeated indices all carry the same values and nothing changes.
     src_l = src.long()
     first = src_l.index_select(0, ok.int().argmax().reshape(1))  # (a 0-d index would sync)
@@ -106,11 +113,17 @@ def fork_torch(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, g
 
 
 def _debug_check_pairs(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, where: str) -> None:
-    """Debug mode (host sync): every non-padding pair's slots in range, allocated, named once in the call."""
+    """Debug mode (host sync): every non-padding pair's slots in range and allocated, each ``dst`` named once in the
+    call and never as a ``src`` (a ``src`` may feed several pairs)."""
     pairs = [(s, d) for s, d in zip(src.tolist(), dst.tolist()) if d >= 0]
-    named = [s for s, _ in pairs] + [d for _, d in pairs]
-    pool._debug_check(torch.tensor(named, dtype=torch.int32), f"{where} (pairs {pairs})", allow_padding=False,
+    where = f"{where} (pairs {pairs})"
+    pool._debug_check(torch.tensor([s for s, _ in pairs], dtype=torch.int32), where, allow_padding=False,
+                      unique=False)
+    pool._debug_check(torch.tensor([d for _, d in pairs], dtype=torch.int32), where, allow_padding=False,
                       unique=True)
+    both = sorted({d for _, d in pairs} & {s for s, _ in pairs})
+    raise_slot_error(f"{where} (debug check)", [f"slots named as a source and as a destination: {both}"] if both
+                     else [])
 
 
 # ---- export -------------------------------------------------------------------------------------------------------

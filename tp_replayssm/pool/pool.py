@@ -283,8 +283,10 @@ class ReplaySSMStatePool:
     def fork(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Make every layer's checkpoint, ring, cursor and conv window of slots ``dst [n]`` those of ``src [n]``
         (int32 on ``pool.device``), byte for byte: no flush, and the two evolve independently afterwards. A pair
-        with ``dst < 0`` is padding; a pair whose ``src`` or ``dst`` is out of range, not allocated, or named twice
-        in the call (``dst == src`` included) is refused, changes nothing and is recorded for :meth:`check`. One
+        with ``dst < 0`` is padding; a pair whose ``src`` or ``dst`` is out of range or not allocated, whose ``dst``
+        is named again in the call (as a ``dst`` or a ``src``, ``dst == src`` included), or whose ``src`` is a
+        ``dst`` of the call, is refused, changes nothing and is recorded for :meth:`check` (one ``src`` may feed
+        several pairs). One
         kernel launch on CUDA (:mod:`tp_replayssm.kernels.fork`), no host sync, CUDA-graph capturable
         (:mod:`tp_replayssm.pool.lifecycle`)."""
         lifecycle.fork(self, src, dst)
