@@ -40,13 +40,23 @@ def describe_record(record: list[int]) -> str | None:
     pairs = [(record[4 + 2 * i], record[5 + 2 * i]) for i in range(min(n_rows, RECORDED_ROWS))]
     shown = ", ".join(f"row {r} slot {s}" for r, s in pairs) + (" ..." if n_rows > RECORDED_ROWS else "")
     others = n_all - n_rows
-    spec = (" (or, in speculative decoding, whose parents, num_accepted or path were not valid for the row)"
-            if method in ("verify", "commit") else "")
-    return (f"ReplaySSMStatePool.{method}{f'(layer={layer})' if layer >= 0 else ''}: {n_rows} row(s) named a slot "
-            f"that is out of range, not allocated, or repeated within the call{spec} (the first such call since the "
-            f"last check, with later calls of the same method and layer): {shown}; they were treated as padding rows "
-            f"(zero output, nothing written)"
+    what = _WHAT.get(method, "named a slot that is out of range, not allocated, or repeated within the call")
+    return (f"ReplaySSMStatePool.{method}{f'(layer={layer})' if layer >= 0 else ''}: {n_rows} row(s) {what} (the "
+            f"first such call since the last check, with later calls of the same method and layer): {shown}; "
+            f"{_DONE.get(method, 'they were treated as padding rows (zero output, nothing written)')}"
             + (f"; {others} more bad row(s) in later calls of other methods or layers" if others > 0 else ""))
+
+
+# how a method's bad rows read (by default: out of range, not allocated, repeated) and what happened to them
+_SPEC_ROWS = ("named a slot that is out of range, not allocated, or repeated within the call, or whose parents, "
+              "num_accepted or path were not valid for the row")
+_WHAT = {"verify": _SPEC_ROWS, "commit": _SPEC_ROWS,
+         "fork": "(fork pairs) named a source or destination slot that is out of range or not allocated, or a "
+                 "destination named again in the call (as a destination or a source), or a source that is a "
+                 "destination; the slot shown is the pair's source when the source is at fault, else its destination"}
+_DONE = {"advance": "their cursors were left as they were",
+         "commit": "they were left as they were (no cursor, ring or conv window changed)",
+         "fork": "those pairs copied nothing"}
 
 
 class SlotGuard(NamedTuple):
