@@ -9,8 +9,10 @@ source benchmarks/device_setup.sh || exit 1
 if [ -n "${TESTS:-}" ]; then
   echo "== $(date +%T) GPU tests: $TESTS"
   # shellcheck disable=SC2086  # TESTS is a list of paths
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -m gpu -q -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
+  TP_REPLAYSSM_FAIL_LOG="$OUT/gpu_failures.log" timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -n 8 -m gpu -q \
+    -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 25
+  grep -s "^===== FAILED" "$OUT/gpu_failures.log"
 fi
 bf16=${SHAPES_BF16:-8x1,32x1,8x8,32x8,8x32,8x128,32x128,8x512}
 fp32=${SHAPES_FP32:-8x8,32x128}

@@ -2,7 +2,8 @@
 # One device-tool call on one H200: every GPU test (pytest -n 8 -m gpu tests/; the multi-GPU ones skip on one GPU),
 # then the baseline benchmark (run_device_bench.sh) in the time the call has left. Everything is written under
 # $OUT/checks/ and packed into ONE file, $OUT/checks.tgz (the device tool returns at most 8 files): checks.log (what
-# this script printed), gpu_tests.log, the tests' own outputs (gpu_op_errors.json), bench_decode.{json,csv,log}.
+# this script printed), gpu_tests.log, gpu_failures.log (each failure's traceback, written as it happened), the
+# tests' own outputs (gpu_op_errors.json), bench_decode.{json,csv,log}.
 #   usage (device tool, carry .devwheels):  bash benchmarks/run_device_checks.sh
 #   env:  TEST_ARGS     pytest arguments after "-m gpu" (default tests/)
 #         TEST_TIMEOUT  seconds for the tests (default 300)
@@ -24,10 +25,12 @@ checks() {
   fi
   echo "== $(date +%T) GPU tests"
   # shellcheck disable=SC2086  # workers and TEST_ARGS are lists of arguments
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest $workers -m gpu -q -p no:cacheprovider ${TEST_ARGS:-tests} \
-    > "$OUT/gpu_tests.log" 2>&1
+  # each failure's traceback goes to gpu_failures.log as it happens (tests/_fail_log.py)
+  TP_REPLAYSSM_FAIL_LOG="$OUT/gpu_failures.log" timeout "${TEST_TIMEOUT:-300}" python3 -m pytest $workers -m gpu -q \
+    -p no:cacheprovider ${TEST_ARGS:-tests} > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"
   grep -E "passed|failed|[0-9] error|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 20
+  grep -s "^===== FAILED" "$OUT/gpu_failures.log"
   if [ "${BENCH:-1}" != 0 ]; then
     local left=$(( ${CALL_S:-590} - (SECONDS - start) - 100 ))
     if [ "$left" -ge 30 ]; then

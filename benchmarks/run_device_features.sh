@@ -29,10 +29,13 @@ run() {
     case $s in
       tests)
         # shellcheck disable=SC2086  # TEST_ARGS is a list of arguments
-        # -v: one line per test as it ends, so a stage cut by its limit still names what failed
+        # -v: one line per test as it ends, so a stage cut by its limit still names what failed; each failure's
+        # traceback goes to gpu_failures.log as it happens (tests/_fail_log.py)
+        export TP_REPLAYSSM_FAIL_LOG="$OUT/gpu_failures.log"
         stage gpu_tests "${TEST_TIMEOUT:-270}" python3 -m pytest -n "${WORKERS:-14}" -m gpu -v -rfE \
           -p no:cacheprovider --timeout 200 ${TEST_ARGS:-tests}
         grep -E "FAILED|ERROR" "$OUT/gpu_tests.log" | grep -v "^E " | sort -u | head -n 40
+        grep -s "^===== FAILED" "$OUT/gpu_failures.log"
         ;;
       spec)
         # shellcheck disable=SC2086

@@ -3,7 +3,8 @@
 Calls on CPU tensors run the library's PyTorch path by default. The tests also run the Helion kernels themselves in
 Triton's interpreter (one case per kernel path): the ``interpreter`` fixture switches the CPU backend for a test.
 Triton decides at import time whether it interprets, so ``TRITON_INTERPRET=1`` is set here, before anything imports
-triton, on machines without CUDA.
+triton, on machines without CUDA. With ``TP_REPLAYSSM_FAIL_LOG=PATH`` every failure is appended to ``PATH`` as it
+happens (tests/_fail_log.py), so a run cut by a time limit keeps its tracebacks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
+from _fail_log import pytest_runtest_logreport  # noqa: E402, F401 - the hook, registered by its name here
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ import torch
 import _dist_helpers as dh
 import _layer_helpers as lh
 import _layer_spec_helpers as sh
+import tp_replayssm.pool.spec as pool_spec
+from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.layers import KDALayerConfig
 
 # GVA with conv biases and an output-gate bias; no short convolution with the bounded gate
@@ -27,8 +29,8 @@ CONFIGS = {
 TOL = 2e-5  # fp32 against float64 and against the fp32 twin: max abs error over max abs value
 
 
-def _check(res: dict) -> None:
-    assert res["errs"] and max(res["errs"].values()) < TOL, res["errs"]
+def _check(res: dict, tol: float = TOL) -> None:
+    assert res["errs"] and max(res["errs"].values()) < tol, res["errs"]
     assert {"verify vs twin", "verify vs plain", "state vs twin", "state vs plain", "decode vs plain"} <= set(
         res["errs"])
     assert res["padding_zero"], "a padding row's verify output is not zero"
@@ -118,6 +120,70 @@ def test_commit_zero_keeps_the_state() -> None:
     rk.pool.check()
 
 
+# ---- the kernels' path on the CPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gva", "noconv-lb"])
+def test_verify_hands_the_kernel_contiguous_columns(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``mixed_qkv`` the layer's verify hands the verify launch (post-conv with a short convolution) has
+    ``stride(-1) == 1``: the kernel's arguments view its q, k and v columns assuming it (kernels/verify_args.py).
+    Chains and trees, with and without the conv."""
+    cfg = CONFIGS[name]
+    rk = sh.build_rank(cfg, [lh.random_weights(cfg, 3)], 2)
+    slots = torch.tensor([rk.slots[0], -1, rk.slots[1]], dtype=torch.int32)
+    seen: list[tuple[int, ...]] = []
+    run_verify = pool_spec.run_verify
+
+    def recording(call, *args, **kwargs):  # noqa: ANN001, ANN202 - run_verify's own signature
+        seen.append(tuple(call.mixed_qkv.stride()))
+        return run_verify(call, *args, **kwargs)
+
+    monkeypatch.setattr(pool_spec, "run_verify", recording)
+    g = torch.Generator().manual_seed(4)
+    for parents in (None, torch.tensor([[-1, 0, 0]] * 3, dtype=torch.int32)):
+        rk.layers[0](torch.randn(3, 3, 64, generator=g), slots, verify=True, parents=parents)
+        rk.pool.commit(slots, torch.tensor([1, 0, 2], dtype=torch.int32),
+                       path=None if parents is None else torch.tensor([[0, 1, 0]] * 3, dtype=torch.int32))
+    assert len(seen) == 2 and all(st[-1] == 1 for st in seen), seen
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter cases run on machines without CUDA")
+@pytest.mark.timeout(300)
+def test_layer_verify_through_the_kernels_matches_the_torch_path() -> None:
+    """The layer's verify and commit through the Helion verify, commit and conv kernels (in Triton's interpreter:
+    the path CUDA tensors take) equal the PyTorch path: after a prefill, a chain verify (T = 3, the conv continuing
+    the committed windows, a padding row) and its commit, then a tree verify whose rows fold, and its commit; every
+    output, state, conv window and cursor."""
+    cfg = CONFIGS["gva"]
+    weights = [lh.random_weights(cfg, 60)]
+    g = torch.Generator().manual_seed(61)
+    x0, cu = torch.randn(7, 64, generator=g), torch.tensor([0, 4, 7], dtype=torch.int32)
+    ranks = {be: sh.build_rank(cfg, weights, 2) for be in ("torch", "interpreter")}
+    for rk in ranks.values():
+        rk.layers[0](x0, torch.tensor(rk.slots, dtype=torch.int32), cu, advance=True)
+    tree = torch.tensor([[-1, 0, 0], [-1, 0, 0], [-1, -1, 1]], dtype=torch.int32)
+    kept = torch.tensor([[0, 2, 0], [0, 0, 0], [1, 2, 0]], dtype=torch.int32)  # nodes 0, 2 and 1, 2
+    steps = [(None, [3, 0, 2], None), (tree, [2, 0, 2], kept)]
+    for parents, accepted, path in steps:  # cursors 0, 0 (the drafts fit), then 3, 2 (both rows fold)
+        x = torch.randn(3, 3, 64, generator=g)
+        out, state = {}, {}
+        for be, rk in ranks.items():
+            slots = torch.tensor([rk.slots[0], -1, rk.slots[1]], dtype=torch.int32)
+            with use_cpu_backend(be):
+                out[be] = rk.layers[0](x, slots, verify=True, parents=parents)
+                rk.pool.commit(slots, torch.tensor(accepted, dtype=torch.int32), path=path)
+            ids = torch.tensor(rk.slots, dtype=torch.int32)
+            state[be] = (rk.pool.read_state(0, ids), rk.pool.read_conv_state(0, ids), rk.pool.cursors.clone())
+        assert lh.rel(out["interpreter"], out["torch"]) < TOL, lh.rel(out["interpreter"], out["torch"])
+        assert bool((out["interpreter"][1] == 0).all())
+        assert lh.rel(state["interpreter"][0], state["torch"][0]) < TOL
+        assert torch.equal(state["interpreter"][1], state["torch"][1])
+        assert torch.equal(state["interpreter"][2], state["torch"][2])
+    assert ranks["torch"].pool.cursors[torch.tensor(ranks["torch"].slots)].tolist() == [2, 2]
+    for rk in ranks.values():
+        rk.pool.check()
+
+
 # ---- GPU (the device) -------------------------------------------------------------------------------------------
 
 GPU_TOL = 1e-4  # fp32 on the GPU (other summation orders in the kernels and GEMMs)
@@ -132,8 +198,7 @@ def test_gpu_layer_verify_scenario() -> None:
     weights = [lh.random_weights(cfg, seed) for seed in (30, 31)]
     prompts, x0, steps = sh.scenario(cfg.hidden_size, 5)
     res = sh.run(cfg, weights, [sh.build_rank(cfg, weights, len(prompts), device=dev)], prompts, x0, steps)
-    assert max(res["errs"].values()) < GPU_TOL, res["errs"]
-    assert res["padding_zero"] and res["cursors_ok"] and res["folds"] >= 3, res
+    _check(res, GPU_TOL)
 
 
 @pytest.mark.gpu

@@ -9,9 +9,11 @@ row and a forced flush, cursors moved by the fused advance or by ``pool.advance`
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tp_replayssm.layers import KDALayerConfig, TPKimiDeltaAttention, end_prefil
 from tp_replayssm.layers.kda_torch import chunk_kda_torch, kda_activations, packed_conv
 
 REPO = Path(__file__).resolve().parent.parent
+logger = logging.getLogger(__name__)
 needs_fla = pytest.mark.skipif(not _fla_cpu.FLA_AVAILABLE, reason=_fla_cpu.SKIP_REASON)
 needs_fla_core = pytest.mark.skipif(not _fla_cpu.FLA_CORE_AVAILABLE, reason=_fla_cpu.SKIP_REASON_CORE)
 
@@ -539,11 +542,20 @@ def _bf16_weights(cfg: KDALayerConfig, seed: int) -> dict[str, torch.Tensor]:
 GPU_SCENARIO = dict(first=[70, 1, 9], second=[3, 130, 2], order2=[[2, 0], [1]])
 
 
+# bf16 weights, activations and rings against the float64 layer: the largest error of a call is 1.2e-2 with this
+# scenario on the CPU (the decode and conv kernels in the interpreter; the prefill in fp32, or emulating the bf16
+# intermediates of FLA's chunk_kda: l2-normalized q/k, w, u, kg, v_new and the chunk states), set by the projections'
+# and o_proj's bf16 outputs; 4e-2 leaves 3x for the GPU's summation orders and TF32 solves
+BF16_TOL = 4e-2
+
+
 @pytest.mark.gpu
 @needs_fla_core
 def test_gpu_bf16_chunk_kda_prefill_then_decode() -> None:
     """bf16 on one GPU: the prefill runs FLA's chunk_kda (the 'auto' backend on CUDA), decode the Helion kernel
-    (bf16 rings); every output matches the float64 layer of the same bf16 weights to bf16 accuracy."""
+    (bf16 rings); every output matches the float64 layer of the same bf16 weights to bf16 accuracy. The same
+    scenario with the PyTorch prefill runs first: where only the chunk_kda run fails, FLA's kernels on this GPU
+    (and its Triton) are the cause, not the layer; each run's errors and time are logged as it ends."""
     from tp_replayssm.layers.prefill import prefill_backend_for
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -552,12 +564,20 @@ def test_gpu_bf16_chunk_kda_prefill_then_decode() -> None:
     w = _bf16_weights(cfg, 4)
     calls = [dataclasses.replace(c, x=c.x.to(torch.bfloat16).float()) for c in lh.scenario(64, 8, **GPU_SCENARIO)]
     plain, _ = lh.plain_outputs(lh.PlainKDALayer(w, cfg), calls, 3)
-    pool = ReplaySSMStatePool(cfg.heads, num_layers=1, num_slots=4, ring_length=2, conv_kernel_size=4, device=dev)
-    ours = TPKimiDeltaAttention.from_state_dict(w, cfg, pool=pool, layer_idx=0, dtype=torch.bfloat16)
-    outs = lh.run_ours([(pool, [ours])], calls, pool.alloc(3).tolist(), fused=True, dtype=torch.bfloat16)[0]
-    for c, (got, p) in enumerate(zip(outs, plain)):  # bf16 activations and rings: ~1e-2
-        assert lh.rel(got, p) < 4e-2, (c, calls[c].kind, lh.rel(got, p))
-    pool.check()
+    errs: dict[str, list[float]] = {}
+    for backend in ("torch", "auto"):
+        start = time.perf_counter()
+        pool = ReplaySSMStatePool(cfg.heads, num_layers=1, num_slots=4, ring_length=2, conv_kernel_size=4,
+                                  device=dev)
+        ours = TPKimiDeltaAttention.from_state_dict(w, cfg, pool=pool, layer_idx=0, dtype=torch.bfloat16,
+                                                    prefill_backend=backend)
+        outs = lh.run_ours([(pool, [ours])], calls, pool.alloc(3).tolist(), fused=True, dtype=torch.bfloat16)[0]
+        pool.check()
+        errs[backend] = [lh.rel(got, p) for got, p in zip(outs, plain)]
+        logger.info("prefill_backend=%r: %.1f s, errors per call %s", backend, time.perf_counter() - start,
+                    ", ".join(f"{calls[c].kind} {e:.2e}" for c, e in enumerate(errs[backend])))
+    for backend, e in errs.items():
+        assert max(e) < BF16_TOL, (backend, [(c, calls[c].kind, round(x, 4)) for c, x in enumerate(e)], errs)
 
 
 @pytest.mark.gpu
@@ -573,13 +593,13 @@ def test_gpu_bf16_matches_fla_layer() -> None:
     cfg = KDALayerConfig.from_fla(fla_layer)
     plain, _ = lh.plain_outputs(lh.PlainKDALayer(fla_layer.state_dict(), cfg), calls, 3)
     for c, (w, p) in enumerate(zip(want, plain)):
-        assert lh.rel(w, p) < 4e-2, ("FLA against the float64 layer", c, lh.rel(w, p))
+        assert lh.rel(w, p) < BF16_TOL, ("FLA against the float64 layer", c, lh.rel(w, p))
     pool = ReplaySSMStatePool(cfg.heads, num_layers=1, num_slots=4, ring_length=2, conv_kernel_size=4, device=dev)
     ours = TPKimiDeltaAttention.from_fla(fla_layer, pool=pool, layer_idx=0)
     assert ours.dtype == torch.bfloat16
     outs = lh.run_ours([(pool, [ours])], calls, pool.alloc(3).tolist(), fused=True, dtype=torch.bfloat16)[0]
     for c, (got, w) in enumerate(zip(outs, want)):
-        assert lh.rel(got, w) < 4e-2, (c, calls[c].kind, lh.rel(got, w))
+        assert lh.rel(got, w) < BF16_TOL, (c, calls[c].kind, lh.rel(got, w))
     pool.check()
 
 

@@ -39,7 +39,8 @@ ACTIVATIONS = ("silu", None)
 def conv_reference(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                    activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [B, T, D], new_window [B, D, W-1])`` from ``x [B, T, D]``, ``window [B, D, W-1]`` (oldest first),
-    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results; the taps are summed in order ``i = 0 .. W-1``,
+    ``weight [D, W]`` and ``bias [D]`` (module docstring). fp32 results, ``y`` contiguous (as the conv kernel writes
+    it: kernels that take it view its columns with ``stride(-1) == 1``); the taps are summed in order ``i = 0 .. W-1``,
     then the bias is added, whatever ``T`` is (so ``T`` tokens in one call give the bits of ``T`` one-token calls)."""
     W, T = weight.shape[1], x.shape[1]
     u = torch.cat([window.float(), x.float().transpose(1, 2)], dim=2)  # [B, D, W-1+T]
@@ -51,7 +52,7 @@ def conv_reference(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, 
         y = y + bias.float()[:, None]
     if activation == "silu":
         y = F.silu(y)
-    return y.transpose(1, 2), u[:, :, u.shape[2] - (W - 1):]
+    return y.transpose(1, 2).contiguous(), u[:, :, u.shape[2] - (W - 1):]
 
 
 def row_verdict(pool: ReplaySSMStatePool, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

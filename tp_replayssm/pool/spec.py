@@ -125,7 +125,8 @@ def _draft_conv(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: t
                 bias: torch.Tensor | None, slots: torch.Tensor, parents: torch.Tensor | None) -> torch.Tensor:
     """The conv (with SiLU) over the drafts, continuing each row's committed window along its ancestors; the window is
     left alone (commit rolls it) and the pre-conv inputs are staged for commit. Bad rows get zeros (the verify refuses
-    and records them)."""
+    and records them). Returns ``[B, T, D]`` contiguous: the verify kernel's arguments view its q, k and v columns
+    assuming ``stride(-1) == 1`` (``kernels/verify_args.py``), as the caller's ``mixed_qkv`` is checked to have."""
     B, T = x.shape[0], x.shape[1]
     live, idx = conv.row_verdict(pool, slots)
     window = pool.conv_state[layer].index_select(0, idx)
@@ -134,7 +135,7 @@ def _draft_conv(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: t
     else:
         y = tree_conv(x, window, weight, bias, parents.long(), "silu")
     _staging(pool, B, T)[layer].copy_(x)
-    return torch.where(live[:, None, None], y, 0.0).to(x.dtype)
+    return torch.where(live[:, None, None], y, 0.0).to(x.dtype).contiguous()
 
 
 def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Tensor,
