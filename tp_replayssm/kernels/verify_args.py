@@ -51,6 +51,8 @@ def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, gua
     """The kernel's positional arguments for a validated call, with their sources in :data:`INPUTS`."""
     B, T, H, HV, K, V = dims.batch, dims.drafts, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
     x, a, dt_bias = call.mixed_qkv, call.a, call.dt_bias
+    if x.stride(-1) != 1:  # the column views below assume it (the caller's tensor is validated; this guards ours)
+        raise ValueError(f"replayssm_verify: `mixed_qkv` must have a contiguous last dim; got strides {x.stride()}")
     s0, s1, off = x.stride(0), x.stride(1), x.storage_offset()
     state_rows, st = rows_view(call.initial_state)
     d_rows, dr = rows_view(call.d_cache)
