@@ -121,14 +121,11 @@ def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
             for h in args.heads.split(",") for b in args.batch.split(",")]
 
 
-def use_form(form: str) -> None:
-    """Make the verify plan take ``form`` (``tensor-cores`` where the call allows it, or ``cuda-cores``)."""
-    from tp_replayssm.kernels import verify_plan
-
+def form_flag(form: str) -> bool | None:
+    """``tensor_cores`` of ``plan_verify`` for a ``--forms`` entry."""
     if form not in ("tensor-cores", "cuda-cores"):
         raise SystemExit(f"--forms: unknown form {form!r} (tensor-cores, cuda-cores)")
-    verify_plan.TENSOR_CORES = form == "tensor-cores"
-    verify_plan.plan_verify.cache_clear()
+    return None if form == "tensor-cores" else False
 
 
 def make_pool(shape: dict[str, Any], args: argparse.Namespace, n_sets: int, device: str) -> tuple[Any, list]:
@@ -208,7 +205,7 @@ def kernel_times(step_fns: list) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
 
 
-def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, inputs: dict) -> float:
+def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, inputs: dict, plan: Any) -> float:
     """One verify + commit on the GPU pool against the PyTorch reference on a CPU copy; the outputs' rel. error."""
     from tp_replayssm import ReplaySSMStatePool
 
@@ -220,7 +217,7 @@ def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, in
     slots = sets[0]
     x, a, b = (inputs[n][0] for n in ("x", "a", "b"))
     n = torch.full_like(slots, args.accept)
-    out = pool.verify(0, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=args.lower_bound)
+    out = pool.verify(0, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=args.lower_bound, plan=plan)
     pool.commit(slots, n)
     want = ref.verify(0, x.cpu(), a.cpu(), b.cpu(), params.A_log.cpu(), params.dt_bias.cpu(), slots.cpu(),
                       lower_bound=args.lower_bound)
@@ -254,15 +251,22 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
     inputs = {"x": [mk(B, T, D) for _ in range(n_in)], "a": [mk(B, T, HV * 128) for _ in range(n_in)],
               "b": [mk(B, T, HV) for _ in range(n_in)], "x1": [mk(B, D) for _ in range(n_in)],
               "a1": [mk(B, HV * 128) for _ in range(n_in)], "b1": [mk(B, HV) for _ in range(n_in)]}
-    rec["check_rel_err"] = check_shape(pool, sets, args, params, inputs)
-    accepted = torch.full((B,), args.accept, dtype=torch.int32, device="cuda")
     lb = args.lower_bound
+    from tp_replayssm.kernels.verify_plan import VerifyProblem, plan_verify
+
+    plan = plan_verify(VerifyProblem(B, T, HV, HV, 128, 128, L, DTYPES[shape["state"]], torch.bfloat16, "cuda",
+                                     torch.cuda.get_device_properties(0).multi_processor_count, args.layout, False,
+                                     True, lb is not None, lb is not None and (L - 1) * abs(lb) <= 75),
+                       tensor_cores=form_flag(shape["form"]))
+    rec["plan"] = str(plan)
+    rec["check_rel_err"] = check_shape(pool, sets, args, params, inputs, plan)
+    accepted = torch.full((B,), args.accept, dtype=torch.int32, device="cuda")
 
     def verify_step(i: int):  # noqa: ANN202
         def fn() -> None:
             j = i % n_in
             pool.verify(0, inputs["x"][j], inputs["a"][j], inputs["b"][j], params.A_log, params.dt_bias, sets[i],
-                        lower_bound=lb)
+                        lower_bound=lb, plan=plan)
             pool.commit(sets[i], accepted)
         return fn
 
@@ -287,12 +291,6 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
     rec["xT"] = rec["verify_us"] / (T * rec["decode_us"])
     rec["floor_us"] = model["bytes"] / (gbps * 1e3)
     rec["pct_floor"] = 100.0 * rec["floor_us"] / rec["verify_us"]
-    from tp_replayssm.kernels.verify_plan import plan_verify, VerifyProblem
-
-    rec["plan"] = str(plan_verify(VerifyProblem(B, T, HV, HV, 128, 128, L, DTYPES[shape["state"]], torch.bfloat16,
-                                                "cuda", torch.cuda.get_device_properties(0).multi_processor_count,
-                                                args.layout, False, True, lb is not None,
-                                                lb is not None and (L - 1) * abs(lb) <= 75)))
     del pool, sets, inputs
     torch.cuda.empty_cache()
     return rec
@@ -336,7 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     bw = measure_copy_bandwidth(torch.device("cuda"), 1024)
     log.info("%s, copy bandwidth %.0f GB/s", props.name, bw["copy_gbps"])
     for s in shapes(args):
-        use_form(s["form"])
         try:
             rows.append(run_shape(s, args, l2, bw["copy_gbps"]))
         except Exception as exc:  # noqa: BLE001 - one failing shape must not lose the others

@@ -33,7 +33,7 @@ def _sentinel(pool: ReplaySSMStatePool, slot: int) -> None:
 
 
 def _verify(pool: ReplaySSMStatePool, model: object, drafts: object, slots: torch.Tensor,
-            parents: torch.Tensor | None) -> torch.Tensor:
+            parents: torch.Tensor | None, plan: verify_plan.VerifyPlan | None = None) -> torch.Tensor:
     """Every layer's verify into NaN-poisoned outputs; ``[NL, B, T, HV, V]``."""
     outs = []
     for layer in range(pool.num_layers):
@@ -43,7 +43,7 @@ def _verify(pool: ReplaySSMStatePool, model: object, drafts: object, slots: torc
         out = torch.full((x.shape[0], x.shape[1], lh.num_v_heads, lh.value_dim), float("nan"), dtype=x.dtype,
                          device=pool.device)
         outs.append(pool.verify(layer, x, drafts.a[layer], drafts.b[layer], p.A_log, p.dt_bias, slots,
-                                parents=parents, lower_bound=model.lower_bound, out=out))
+                                parents=parents, lower_bound=model.lower_bound, out=out, plan=plan))
     return torch.stack(outs)
 
 
@@ -154,25 +154,36 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 
         with pytest.raises(ValueError, match="tensor_cores"):
             dataclasses.replace(other, tensor_cores=True, value_chunk=16, num_warps=1).check(problem)
+        with pytest.raises(ValueError, match="tensor-core form cannot run"):
+            verify_plan.plan_verify(problem, tensor_cores=True)
+    assert not verify_plan.plan_verify(verify_plan.VerifyProblem(**base), tensor_cores=False).tensor_cores
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "drafts": 9})).columns == 32
 
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=[True, False], ids=["tensor-cores", "cuda-cores"])
-def verify_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """The verify form the plan takes during the test (where the call allows the tensor-core one)."""
-    monkeypatch.setattr(verify_plan, "TENSOR_CORES", request.param)
-    verify_plan.plan_verify.cache_clear()
-    yield request.param
-    verify_plan.plan_verify.cache_clear()
+@pytest.fixture(params=[None, False], ids=["tensor-cores", "cuda-cores"])
+def verify_form(request: pytest.FixtureRequest) -> bool | None:
+    """The verify form a test's calls take: ``tensor_cores`` of :func:`verify_plan.plan_verify` (None: the plan's
+    choice, the tensor-core form where the call allows it)."""
+    return request.param
+
+
+def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
+               tensor_cores: bool | None) -> verify_plan.VerifyPlan:
+    lh = pool.local_heads
+    problem = verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
+                                        pool.ring_length, pool.state_dtype, pool.cache_dtype, pool.device.type,
+                                        torch.cuda.get_device_properties(pool.device).multi_processor_count,
+                                        pool.ring_layout, tree, True, False, False)
+    return verify_plan.plan_verify(problem, tensor_cores=tensor_cores)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_both_verify_forms_match_reference(verify_form: bool, state: torch.dtype, tree: bool) -> None:
+def test_gpu_both_verify_forms_match_reference(verify_form: bool | None, state: torch.dtype, tree: bool) -> None:
     """Both verify forms at K = V = 128, L = 16, T = 4, HV = 16 over B = 24 rows (padding rows among them), over
     steps that cross every fold phase, against the reference on CPU copies: outputs, every pool tensor after the
     commit, read_state."""
@@ -189,10 +200,12 @@ def test_gpu_both_verify_forms_match_reference(verify_form: bool, state: torch.d
     T = 4
     parents = torch.tensor([[-1, 0, 0, 1]] * batch, dtype=torch.int32, device="cuda") if tree else None
     live = [r for r, s in enumerate(slots) if s >= 0]
+    plan = _form_plan(pool, batch, T, tree, verify_form)
+    assert plan.tensor_cores == (verify_form is None), plan
     for step in range(6):
         ref = _to(pool, "cpu")
         drafts = random_drafts(pool, batch, T, gen, dtype=torch.bfloat16)
-        out = _verify(pool, model, drafts, t, parents)
+        out = _verify(pool, model, drafts, t, parents, plan)
         cpu_drafts = type(drafts)(drafts.mixed.cpu(), drafts.a.cpu(), drafts.b.cpu())
         want = _verify(ref, cpu_model, cpu_drafts, t.cpu(), None if parents is None else parents.cpu())
         assert torch.isfinite(out).all() and rel(out[:, live], want[:, live]) < 2e-2, f"step {step}"

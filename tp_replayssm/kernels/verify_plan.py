@@ -38,8 +38,7 @@ PROGRAMS_PER_SM = 3
 # with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
 CHUNK_DRAFT_ROWS = 32
 NUM_WARPS = 4
-# the tensor-core form (kernels/verify_mma.py) where it can run; its operands' bf16 parts; its most drafts
-TENSOR_CORES = True
+# the tensor-core form (kernels/verify_mma.py): its operands' bf16 parts; its most drafts
 MMA_OPERAND_PARTS = 3
 MMA_MAX_DRAFTS = 15
 # its programs: 4 warps (206-238 registers per thread at K = 128, T = 4, no spills; one warp spilled 1.3 KiB) and
@@ -178,8 +177,13 @@ def tensor_core_refusal(problem: VerifyProblem) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_verify(problem: VerifyProblem) -> VerifyPlan:
-    """The launch plan of ``problem`` (module docstring)."""
+def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> VerifyPlan:
+    """The launch plan of ``problem`` (module docstring). ``tensor_cores``: None takes the tensor-core form wherever
+    it can run; False the CUDA-core form; True the tensor-core form (``ValueError`` with the reason where it cannot
+    run)."""
+    why = tensor_core_refusal(problem)
+    if tensor_cores and why:
+        raise ValueError(f"plan_verify: the tensor-core form cannot run this call: {why}")
     V = problem.value_dim
     full = max(16, 1 << (V - 1).bit_length())
     pairs = problem.batch * problem.num_v_heads
@@ -199,7 +203,7 @@ def plan_verify(problem: VerifyProblem) -> VerifyPlan:
     else:
         mode = 2
     draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
-    mma = TENSOR_CORES and not tensor_core_refusal(problem)
+    mma = not why if tensor_cores is None else tensor_cores
     if mma:  # 4-warp programs of 16-row chunks; the narrowest value tile whose grid fits one wave
         warps, chunk = MMA_WARPS, 16
         if problem.device_type == "cuda":

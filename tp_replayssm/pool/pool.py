@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -53,6 +53,8 @@ from .memory import PoolMemory, pool_memory
 from .shard import StateShard
 from ..errors import SlotError
 from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, describe_record
+if TYPE_CHECKING:
+    from ..kernels.verify_plan import VerifyPlan
 from .slots import (SlotTable, check_ids, host_ids,
                     is_int, raise_slot_error)
 
@@ -406,7 +408,7 @@ class ReplaySSMStatePool:
                dt_bias: torch.Tensor, slots: torch.Tensor, *, parents: torch.Tensor | None = None,
                scale: float | None = None, use_qk_l2norm_in_kernel: bool = True, lower_bound: float | None = None,
                conv_weight: torch.Tensor | None = None, conv_bias: torch.Tensor | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, plan: VerifyPlan | None = None) -> torch.Tensor:
         """``T`` draft tokens per row of this rank's LOCAL inputs, ``1 <= T <= ring_length - 1``: ``mixed_qkv
         [B, T, 2*H_l*K + HV_l*V]``, ``a [B, T, HV_l*K]`` or ``[B, T, HV_l, K]``, ``b [B, T, HV_l]``, ``A_log``,
         ``dt_bias`` as for :meth:`decode`, ``slots [B]`` int32 (``< 0`` = padding). Returns ``out [B, T, HV_l, V]``:
@@ -416,10 +418,11 @@ class ReplaySSMStatePool:
         every reader sees until :meth:`commit` (docs/spec.md: the fold when the drafts do not fit). With
         ``conv_weight [D, W]`` (``conv_bias [D]``) ``mixed_qkv`` is pre-conv: the conv runs over the drafts along their
         ancestors, and the window moves at commit. Every layer's verify of a step takes the same slots, ``T`` and
-        ``parents``. No host sync."""
+        ``parents``. ``plan``: another launch of the verify kernel
+        (:func:`tp_replayssm.kernels.verify_plan.plan_verify`), checked against the call. No host sync."""
         return spec.verify(self, layer, mixed_qkv, a, b, A_log, dt_bias, slots, parents=parents, scale=scale,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
-                           conv_weight=conv_weight, conv_bias=conv_bias, out=out)
+                           conv_weight=conv_weight, conv_bias=conv_bias, out=out, plan=plan)
 
     def commit(self, slots: torch.Tensor, num_accepted: torch.Tensor, *, path: torch.Tensor | None = None) -> None:
         """Once per model step, after every layer's :meth:`verify`, with the step's ``slots [B]``: each row's state in

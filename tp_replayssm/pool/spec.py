@@ -72,7 +72,8 @@ def _staging(pool: ReplaySSMStatePool, batch: int, drafts: int) -> torch.Tensor:
 def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
            A_log: torch.Tensor, dt_bias: torch.Tensor, slots: torch.Tensor, *, parents: torch.Tensor | None,
            scale: float | None, use_qk_l2norm_in_kernel: bool, lower_bound: float | None,
-           conv_weight: torch.Tensor | None, conv_bias: torch.Tensor | None, out: torch.Tensor | None) -> torch.Tensor:
+           conv_weight: torch.Tensor | None, conv_bias: torch.Tensor | None, out: torch.Tensor | None,
+           plan: object | None = None) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.verify`."""
     where = f"ReplaySSMStatePool.verify(layer={layer})"
     pool._check_layer(layer, "verify")
@@ -116,7 +117,7 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     views = pool.layer(layer)
     call = VerifyCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, pool.cursors, parents,
                       folded[layer], counters, use_qk_l2norm_in_kernel, lower_bound)
-    run_verify(call, dims, ring_layout=pool.ring_layout, guard=pool.guard("verify", layer), where=where)
+    run_verify(call, dims, ring_layout=pool.ring_layout, guard=pool.guard("verify", layer), where=where, plan=plan)
     step.layers.add(layer)
     return out
 
