@@ -31,8 +31,9 @@ from . import placement
 log = logging.getLogger(__name__)
 
 
-class DistributedInitError(RuntimeError):
-    """The environment does not describe a usable process (missing/invalid torchrun variables)."""
+class DistributedInitError(ValueError, RuntimeError):
+    """The environment or the arguments do not describe a usable process (missing or invalid torchrun variables, a
+    device type this machine lacks): a ``ValueError`` naming what is wrong (a ``RuntimeError`` too)."""
 
 
 @dataclasses.dataclass(frozen=True)
