@@ -4,7 +4,7 @@ Times ``pool.decode`` + ``pool.advance`` (or, with ``--fused``, ``pool.decode(..
 an engine runs it: each graph holds one full cursor cycle (L steps, the last one flushes) of one slot set, and the
 replays rotate over enough disjoint slot sets that the state streams from HBM (8x the L2). us/step = median replay
 time / L. It uses only the pool's public API, so the same script times any version of the library on the path:
-an A/B of a kernel change runs it twice, once with the old checkout first on PYTHONPATH.
+an A/B of a kernel change runs it twice, once with the other checkout first on PYTHONPATH.
 
     python benchmarks/bench_pool_step.py --out step.json                  # the standard shapes
     python benchmarks/bench_pool_step.py --shapes 8x1,32x128 --state bf16 --fused --out step.json

@@ -1,8 +1,9 @@
 # Source this on the device machine; run_device_checks.sh and run_device_bench.sh start with it. It makes $OUT
 # (default benchmarks/out; exported as an absolute path), installs the carried wheels (.devwheels/: helion, FLA,
 # pytest and the rest the device lacks) into /tmp/site, puts that folder and the repository on PYTHONPATH, sets the
-# NCCL switches the device tool asks for, and prints one line (torch, triton, helion, GPU). Sourced again in the same
-# process tree (one script running another) it skips the install. On failure it prints the install log and returns 1.
+# NCCL switches that keep NVLink multicast off, and prints one line (torch, triton, helion, GPU). Sourced again in the
+# same process tree (one script running another) it skips the install. On failure it prints the install log and
+# returns 1.
 #   usage: source benchmarks/device_setup.sh || exit 1
 OUT=${OUT:-benchmarks/out}; mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd); export OUT  # absolute: scripts that cd (into benchmarks/) still write under it

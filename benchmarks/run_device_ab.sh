@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device-tool call: an A/B of the pool's decode step between another checkout of the library and this one
+# One run: an A/B of the pool's decode step between another checkout of the library and this one
 # (benchmarks/bench_pool_step.py run twice, graph-captured, cycle-averaged), after a selection of GPU tests.
-#   usage (device tool; carry .devwheels and the folder BASE, which holds the other checkout's tp_replayssm/):
+#   usage (on the GPU machine; carry .devwheels and the folder BASE, which holds the other checkout's tp_replayssm/):
 #     BASE=.devab/base_pkg TESTS="tests/test_slot_safety.py tests/test_op_gpu.py" bash benchmarks/run_device_ab.sh
 #   env: SHAPES_BF16 / SHAPES_FP32 (HVxB lists for bench_pool_step), TEST_TIMEOUT (default 240 s)
 set -u

@@ -2,7 +2,7 @@
 # The baseline table on one H200: ours (the pool's decode step on pre-decayed rings, with its cursor advance) against
 # FLA 0.6.0's packed in-place decode at the standard shapes (benchmarks/bench_shapes.py: 70 shapes in priority
 # order), graph-captured, averaged over full cursor cycles (benchmarks/bench_decode.py).
-#   usage (device tool, carry .devwheels):  bash benchmarks/run_device_bench.sh
+#   usage (on the GPU machine, .devwheels carried):  bash benchmarks/run_device_bench.sh
 #   env:  BENCH_ARGS      more bench_decode.py arguments, e.g. "--quick", "--start-at 40", "--ring-layout sglang",
 #                         "--override value_tile=64 --tag vt64"
 #         BENCH_BUDGET_S  seconds in which shapes are started (default 450; the rest are listed as skipped: run again

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One device-tool call on one H200: every GPU test (pytest -n 8 -m gpu tests/; the multi-GPU ones skip on one GPU),
-# then the baseline benchmark (run_device_bench.sh) in the time the call has left. Everything is written under
-# $OUT/checks/ and packed into ONE file, $OUT/checks.tgz (the device tool returns at most 8 files): checks.log (what
-# this script printed), gpu_tests.log, gpu_failures.log (each failure's traceback, written as it happened), the
-# tests' own outputs (gpu_op_errors.json), bench_decode.{json,csv,log}.
-#   usage (device tool, carry .devwheels):  bash benchmarks/run_device_checks.sh
+# One run on one H200: every GPU test (pytest -n 8 -m gpu tests/; the multi-GPU ones skip on one GPU), then the
+# baseline benchmark (run_device_bench.sh) in the time the call has left. Everything is written under $OUT/checks/ and
+# packed into ONE file, $OUT/checks.tgz (a remote run may bring back only a few files): checks.log (what this script
+# printed), gpu_tests.log, gpu_failures.log (each failure's traceback, written as it happened), the tests' own outputs
+# (gpu_op_errors.json), bench_decode.{json,csv,log}.
+#   usage (on the GPU machine, .devwheels carried):  bash benchmarks/run_device_checks.sh
 #   env:  TEST_ARGS     pytest arguments after "-m gpu" (default tests/)
 #         TEST_TIMEOUT  seconds for the tests (default 300)
 #         BENCH=0       the tests only; BENCH_ARGS is passed on to bench_decode.py (e.g. "--quick")

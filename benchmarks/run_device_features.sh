@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device-tool call on one H200: GPU tests, then the benchmarks of the pool's features around the decode kernel
+# One run on one H200: GPU tests, then the benchmarks of the pool's features around the decode kernel
 # (conv, verify + commit, fork/export/import, the TP KDA layer), each stage under its own time limit, so that a stage
 # cut short still leaves the others' results. Everything lands in $OUT/features/ and is packed into ONE file,
-# $OUT/features.tgz (the device tool returns at most 8 files).
-#   usage (device tool, carry .devwheels):  bash benchmarks/run_device_features.sh
+# $OUT/features.tgz (a remote run may bring back only a few files).
+#   usage (on the GPU machine, .devwheels carried):  bash benchmarks/run_device_features.sh
 #   env:  STAGES        which stages, in order (default "tests spec conv lifecycle layer")
 #         TEST_ARGS     pytest arguments after "-m gpu" (default tests/); TEST_TIMEOUT seconds (default 270)
 #         SPEC_ARGS, CONV_ARGS, LIFECYCLE_ARGS, LAYER_ARGS: arguments of each benchmark (defaults below)

@@ -1,4 +1,4 @@
-"""The main job: a tensor-parallel KDA ReplaySSM decode engine, run with torchrun.
+"""A decode engine with oracle checks and fault injection: tensor-parallel KDA ReplaySSM decode, run with torchrun.
 
     torchrun --standalone --nproc-per-node 2 launch/decode.py                      # CPU, gloo, tiny
     torchrun --standalone --nproc-per-node 8 launch/decode.py --device cuda --shape kimi-linear

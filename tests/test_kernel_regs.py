@@ -99,8 +99,8 @@ def test_library_plans_fit_the_register_budget_on_sm90() -> None:
         stack_limit = (352 if r["predecayed"] else 256) if capped else one_warp_limit if r["warps"] == 1 else 0
         assert r["local"] == 0 and r["stack"] <= stack_limit, f"spills: {r}"
         if not capped:
-            # the raw op's fp32 bounded-gate program at 128-row tiles keeps one value in a spill slot since the slot
-            # checks (one store ahead of EXIT, its load after: 8 B of stack); every other uncapped program none
+            # the raw op's fp32 bounded-gate program at 128-row tiles keeps one value of the slot checks in a spill
+            # slot (one store ahead of EXIT, its load after: 8 B of stack); every other uncapped program none
             allowed = 1 if (r["state"], r["lower_bound"], r["predecayed"], r["vt"]) == ("fp32", True, False, 128) else 0
             assert r["spill_loads_before_exit"] == 0 and r["spill_stores_before_exit"] <= allowed, \
                 f"spills on the every-step path: {r}"
@@ -109,7 +109,7 @@ def test_library_plans_fit_the_register_budget_on_sm90() -> None:
     assert results[1]["maxnreg"] == 168 and results[3]["maxnreg"] is None and results[8]["maxnreg"] == 168
     # the rebase check's kernel (pre-decayed, softplus gate) under the cap (predecayed_ring 3): its rebase is
     # a pass of its own, so the every-step path keeps (nearly) all its values in registers; through the flush
-    # branch (mode 2, a data-dependent choice of loop) it had 24 spill operations there (triton 3.6; 5 now)
+    # branch (mode 2, a data-dependent choice of loop) it has 24 spill operations there against 5 (triton 3.6)
     every_step = results[8]["spill_loads_before_exit"] + results[8]["spill_stores_before_exit"]
     assert every_step <= 8, results[8]
     # fp32 programs that the cap fits into one wave (HV12 B128) run 8-row chunks under it: the pre-decayed one
@@ -162,8 +162,8 @@ print("RESULT " + json.dumps(dict(vt=plan.value_tile, vc=plan.value_chunk, reade
 def test_fused_advance_keeps_the_decodes_float_operations() -> None:
     """The fused advance adds integer work only: its kernel (pre-decayed, softplus gate, HV16 B8 bf16: 16:16:1, 128
     readers per row) has the same sequence of f32 operations in its sm_90 PTX as the decode without it; the pool's
-    tests rely on bit-identical results. A cursor store under an ``if`` once broke this (products no longer fused
-    into their sums; the GPU tests of the pre-decayed layout failed)."""
+    tests rely on bit-identical results. A cursor store under an ``if`` would break this (the compiler fuses a
+    product into its sum only within one block; docs/pitfalls.md), and the pre-decayed GPU tests would fail."""
     found = _run_with_h200_triton(FLOAT_OPS_SCRIPT)
     assert (found["vt"], found["vc"], found["readers"]) == (16, 16, 128), found
     ops = found["ops"]

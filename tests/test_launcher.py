@@ -1,4 +1,5 @@
-"""The main job, ``launch/decode.py``, run end to end under torchrun with 2 CPU/gloo ranks, and its command line."""
+"""The decode engine with oracle checks and fault injection, ``launch/decode.py``, run end to end under torchrun with 2
+CPU/gloo ranks, and its command line."""
 
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def _unresolved_imports(script: Path) -> list[str]:
 
 @pytest.mark.timeout(200)
 def test_placement_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """benchmarks/bench_placement.py (the README's check-cost numbers) runs and reports every rank."""
+    """benchmarks/bench_placement.py (the cost of the collective placement check) runs and reports every rank."""
     import json
 
     script = REPO / "benchmarks" / "bench_placement.py"

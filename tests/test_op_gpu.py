@@ -1,4 +1,4 @@
-"""GPU tests of the Helion op at Kimi-Linear shapes (run on the H200 through the device tool).
+"""GPU tests of the Helion op at Kimi-Linear shapes (they need a CUDA GPU).
 
 K = V = 128, L = 16, H = HV in {32 (TP1), 16, 8, 4 (TP2..TP8), 12 (Kimi-K3 local)}, one GQA shape,
 B in {1, 8, 64, 256}, fp32 and bf16 checkpoints, bf16 activations and rings; each case runs a full

@@ -128,8 +128,8 @@ def test_vector_tiles_only_for_one_warp_register_chunks() -> None:
 
 def test_only_wide_keys_pin_the_eviction_policy() -> None:
     """Evict-first checkpoint loads only on the 4-warp programs of keys wider than 128. One-warp programs
-    load without hints: an fp32 checkpoint measured faster without them since the tensor-core flush, and
-    a bf16 checkpoint from 1024 pairs up takes the tensor-core chunks, where they changed nothing."""
+    load without hints: with the tensor-core flush an fp32 checkpoint measures faster without them, and a bf16
+    checkpoint from 1024 pairs up takes the tensor-core chunks, where they change nothing."""
     for batch, heads in ((512, 32), (512, 8), (128, 32), (64, 32), (16, 32), (8, 32), (1, 8)):
         for state in (FP32, BF16):
             p = _plan(batch, heads, state=state)

@@ -561,7 +561,7 @@ def test_slots_that_fit(tp, layout):
         (dict(heads=KDAHeads(3, 6, 16, 16), tp_size=2, tp_rank=0), "H=3"),
         (dict(ring_layout="pre-decayed"),
          r"`ring_layout` must be one of \['predecayed', 'sglang'\]; got 'pre-decayed'"),
-        (dict(ring_layout="spec"), r"`ring_layout` must be one of \['predecayed', 'sglang'\]; got 'spec'"),  # old name
+        (dict(ring_layout="spec"), r"`ring_layout` must be one of \['predecayed', 'sglang'\]; got 'spec'"),  # not a layout name
         (dict(ring_layout=None), "`ring_layout`.*got None"),
         (dict(ring_layout="predecayed", cache_dtype=torch.float16), "cache dtype.*float16"),
     ],

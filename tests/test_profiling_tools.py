@@ -86,7 +86,7 @@ def test_override_arg_parses_fields_and_values() -> None:
 @pytest.mark.parametrize("text, named", [
     ("vt=64", "'vt=64'"),  # not a DecodePlan field
     ("value_tile", "'value_tile'"),  # no value
-    ("value_tile=64,count_after_loads=1", "'count_after_loads=1'"),  # a field the plan no longer has
+    ("value_tile=64,count_after_loads=1", "'count_after_loads=1'"),  # a field DecodePlan does not have
 ])
 def test_override_arg_rejects_unknown_fields_naming_them(text: str, named: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError) as err:
@@ -197,7 +197,8 @@ def test_tune_decode_candidates_are_plan_overrides(capsys: pytest.CaptureFixture
 
 def test_tune_decode_cycles_past_the_l2_by_default() -> None:
     """Small batches must stream from DRAM as in an engine with many layers: the default footprint is
-    4x the H200's 60 MiB L2 (at most 256 sets); footprint 0 is the old rule (at most 16 sets)."""
+    4x the H200's 60 MiB L2 (at most 256 sets); footprint 0 takes at most 16 sets (small batches then stay in the
+    L2)."""
     import tune_decode
 
     def footprint_mib(B: int, HV: int, sets: int, state: torch.dtype) -> float:
@@ -210,7 +211,7 @@ def test_tune_decode_cycles_past_the_l2_by_default() -> None:
             assert footprint_mib(B, HV, sets, state) >= 240.0 or sets == 256
     assert tune_decode.slot_sets(1, 8, 16, torch.float32, 240.0) == 256  # 0.6 MiB a set
     assert tune_decode.slot_sets(512, 32, 16, torch.float32, 240.0) == 1
-    assert tune_decode.slot_sets(1, 8, 16, torch.float32, 0) == 16  # the old rule: 8 MiB, L2-resident
+    assert tune_decode.slot_sets(1, 8, 16, torch.float32, 0) == 16  # footprint 0: 8 MiB, L2-resident
 
 
 def test_tune_decode_captures_many_slot_sets_per_graph() -> None:
