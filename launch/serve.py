@@ -5,6 +5,7 @@
         --head-dim 128 --ffn 2048 --layers 4 --batch 64 --requests 256 --prompt-len 64 512 --new-tokens 16 64
     torchrun --standalone --nproc-per-node 2 launch/serve.py --corrupt-weight   # the check fails (exit status 1)
     torchrun --standalone --nproc-per-node 2 launch/serve.py --spec-tokens 3 --ring-length 8   # speculative decoding
+    torchrun --standalone --nproc-per-node 2 launch/serve.py --fork-prob 0.3 --preempt-prob 0.1  # forks, preemptions
 
 Every rank builds its shard of the model (launch/serve_model.py: embedding, N blocks of RMSNorm -> the library's
 TPKimiDeltaAttention -> residual -> RMSNorm -> a dense MLP standing in for Kimi-Linear's MoE/MLA layers -> residual,
@@ -17,33 +18,39 @@ layer moving the cursors), and frees a slot when its request has its new tokens.
 step is speculative (launch/serve_spec.py): ``T`` draft tokens per request from its own n-grams, one verify step of
 the whole model on the next input token and the drafts (every layer's ``verify``), ``pool.commit`` of the accepted
 ones, and the accepted drafts plus the model's next token emitted: the same greedy tokens, up to ``T + 1`` per step.
-On CPU tensors the library runs its PyTorch path; on CUDA the prefill uses flash-linear-attention's chunk_kda when it
-is installed.
+With ``--fork-prob P`` a free slot takes, with chance ``P``, a fork of a decoding request (``pool.fork``: the new
+request shares its tokens so far and generates its own), and with ``--preempt-prob P`` each active request is
+preempted with chance ``P`` per step (``pool.export_state`` to the CPU, ``pool.free``), sits out a step and is
+resumed ahead of new arrivals (``pool.alloc``, ``pool.import_state``) where it stopped (launch/serve_lifecycle.py);
+every rank takes the same decisions. Every prefill and decode step syncs with the host and runs ``pool.check()``
+there. On CPU tensors the library runs its PyTorch path; on CUDA the prefill uses flash-linear-attention's chunk_kda
+when it is installed.
 
 Output: rank 0 shows a progress line on a terminal, then a summary (prefill and decode tokens/s, the drafts'
-acceptance rate with ``--spec-tokens``, a checksum of the generated tokens, pool memory and weights per rank) and
-checks every request's greedy tokens and logits against the same model run on rank 0 through
-FLA's layers (``--reference fla``; the default on CUDA when FLA is importable) or a plain float64 PyTorch model of the
-same weights with a full recurrence and no pool (``--reference plain``, always available). It ends with "RESULT: OK";
-on any failure every rank prints one line "RESULT: FAIL <ErrorType>: <reason>" and exits with status 1.
+acceptance rate with ``--spec-tokens``, forks, preemptions and resumptions, checksums of the generated tokens, pool
+memory and weights per rank) and checks every request's greedy tokens and logits against the same model run on rank
+0 through FLA's layers (``--reference fla``: the default on CUDA when FLA is importable; on a CPU they run in
+Triton's interpreter, about 10 s for the default sizes against 0.1 s for the plain model, so not by default) or a
+plain float64 PyTorch model of the same weights with a full recurrence and no pool (``--reference plain``, always
+available). It ends with "RESULT: OK"; on any failure every rank prints one line "RESULT: FAIL <ErrorType>:
+<reason>" and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
+import importlib.util
 import logging
-import math
 import os
 import sys
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
+    from serve_lifecycle import Request
     from tp_replayssm.tp.distributed import DistEnv
 
 log = logging.getLogger("serve")
@@ -77,17 +84,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--spec-tokens", type=int, default=0, metavar="T",
                    help="speculative decoding: draft tokens per request and decode step, verified with the next "
                         "input token in one step (T + 1 <= ring length - 1); 0: off")
+    s.add_argument("--fork-prob", type=float, default=0.0, metavar="P",
+                   help="chance that a free slot takes a fork of a decoding request (pool.fork: it shares the "
+                        "request's tokens so far and generates its own --new-tokens) instead of the next waiting "
+                        "request; at most --requests forks; 0: off")
+    s.add_argument("--preempt-prob", type=float, default=0.0, metavar="P",
+                   help="chance per step that an active request is preempted (pool.export_state to the CPU, "
+                        "pool.free), sits out a step, then is resumed ahead of new arrivals when a slot is free "
+                        "(pool.alloc, pool.import_state); 0: off")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="weights and activations (None: float32 on cpu, bfloat16 on cuda)")
     s.add_argument("--cache-dtype", choices=("float32", "bfloat16"), default=None,
                    help="ring and conv-window dtype (None: the activation dtype)")
     c = p.add_argument_group("check and run")
     c.add_argument("--reference", choices=("auto", "plain", "fla"), default="auto",
-                   help="the model the tokens are checked against on rank 0: FLA's layers, or the plain float64 "
-                        "model (auto: fla on cuda when importable, else plain)")
+                   help="the model the tokens are checked against on rank 0: FLA's layers (fp32; on cpu in "
+                        "Triton's interpreter, about 10 s for the default sizes), or the plain float64 model (auto: "
+                        "fla on cuda when importable, else plain)")
     c.add_argument("--corrupt-weight", action="store_true",
                    help="self-test of the check: the last rank scales its shard of layer 0's o_proj by 1.5")
-    c.add_argument("--seed", type=int, default=0, help="seed of the weights and the request stream")
+    c.add_argument("--inject-bad-slot", action="store_true",
+                   help="self-test of the per-step pool.check(): the first decode step names a slot out of range in "
+                        "one row on every rank; the pool refuses the row and that step's check fails (exit status 1)")
+    c.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights, the request stream and the fork and preemption draws")
     c.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
     c.add_argument("--log-level", choices=("DEBUG", "INFO", "WARNING"), default="INFO", help="log level")
     return p
@@ -104,29 +124,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX; got {lo} {hi}")
-    if args.reference == "fla" and args.device != "cuda":
-        p.error("--reference fla needs --device cuda (FLA's Triton kernels; on a CPU use --reference plain)")
+    if args.reference == "fla" and importlib.util.find_spec("fla") is None:
+        p.error("--reference fla needs flash-linear-attention 0.6.0 (pip install -e .[fla]); --reference plain "
+                "needs nothing")
+    for name in ("fork_prob", "preempt_prob"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]; got {getattr(args, name)}")
     if args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0")
     if args.spec_tokens < 0 or (args.spec_tokens and args.spec_tokens + 1 > args.ring_length - 1):
         p.error(f"--spec-tokens must be 0 (off) or T with T + 1 <= --ring-length - 1 = {args.ring_length - 1} (a "
                 f"step verifies the next input token and T drafts); got {args.spec_tokens}")
     return args
-
-
-@dataclasses.dataclass
-class Request:
-    rid: int
-    prompt: list[int]
-    max_new: int
-    slot: int = -1
-    prefilled: int = 0  # prompt tokens in the slot's state
-    generated: list[int] = dataclasses.field(default_factory=list)
-    logits: list[Any] = dataclasses.field(default_factory=list)  # rank 0: fp32 [vocab] per generated token
-
-    @property
-    def decoding(self) -> bool:
-        return self.prefilled == len(self.prompt) and len(self.generated) < self.max_new
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level), stream=sys.stdout,
                         format=f"%(asctime)s [rank {rank_tag}] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("helion").setLevel(logging.WARNING)
+    if args.reference == "fla" and args.device == "cpu":  # FLA's Triton kernels on a CPU: before triton's import
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
         from tp_replayssm.tp.distributed import distributed_session
 
@@ -158,6 +169,7 @@ class Engine:
         import torch
         import torch.distributed as dist
 
+        from serve_lifecycle import Lifecycle, Request
         from serve_model import ModelConfig, SeededWeights, TPModel
         from tp_replayssm import ReplaySSMStatePool
 
@@ -191,6 +203,7 @@ class Engine:
             for i, (n, m) in enumerate(zip(lens, news)))
         self.active: list[Request] = []
         self.finished: list[Request] = []
+        self.life = Lifecycle(args, self.pool, self.device)
         self.stats = dict(prefill_tokens=0, prefill_s=0.0, prefill_steps=0, decode_tokens=0, decode_s=0.0,
                           decode_steps=0, decode_rows=0, decode_live=0)
         self._last_progress = 0.0
@@ -199,13 +212,14 @@ class Engine:
 
     def run(self) -> None:
         t0 = time.perf_counter()
-        while self.waiting or self.active:
+        while self.waiting or self.active or self.life.preempted:
             self.admit()
             if any(r.prefilled < len(r.prompt) for r in self.active):
                 self.prefill_step()
             if any(r.decoding for r in self.active):
                 self.decode_step()
             self.retire()
+            self.active = self.life.preempt(self.active)
             self._progress()
         wall = time.perf_counter() - t0
         self._progress(final=True)
@@ -213,13 +227,10 @@ class Engine:
         self._summary(wall, self._check())
 
     def admit(self) -> None:
-        """Free slots take waiting requests (``pool.alloc``: zero state, empty ring, zero conv window). Restoring a
-        request's saved state instead of prefilling it (``pool.import_state``, prefix caching) plugs in here."""
-        n = min(self.pool.num_free, len(self.waiting))
-        if n:
-            for req, slot in zip([self.waiting.popleft() for _ in range(n)], self.pool.alloc(n).tolist()):
-                req.slot = slot
-                self.active.append(req)
+        """Free slots take preempted requests (``pool.alloc``, ``pool.import_state``), then forks of decoding
+        requests (``pool.fork``, with ``--fork-prob``) or waiting requests (``pool.alloc``: zero state, empty ring,
+        zero conv window): :meth:`serve_lifecycle.Lifecycle.admit`."""
+        self.active += self.life.admit(self.active, self.waiting)
 
     def prefill_step(self) -> None:
         """One packed prefill of the next ``--prefill-chunk`` prompt tokens of every request still prefilling (each
@@ -237,6 +248,7 @@ class Engine:
         slots = torch.tensor([r.slot for r in reqs], dtype=torch.int32, device=self.device)
         logits = self.model.forward(tokens, slots, torch.tensor(cu, dtype=torch.int32, device=self.device))
         nxt = self._greedy(logits)
+        self._check_slots("prefill")  # the step synced anyway (it read cu_seqlens; the greedy tokens went to the host)
         self._sync()
         self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += cu[-1]
@@ -256,16 +268,23 @@ class Engine:
         for r in self.active:
             if r.decoding:
                 rows[r.slot] = r
+        ids = [r.slot if r else -1 for r in rows]
+        if self.args.inject_bad_slot and self.stats["decode_steps"] == 0:  # as a scheduler bug would: every rank
+            row = next((i for i, r in enumerate(rows) if r is None), len(rows) - 1)
+            ids[row] = self.pool.num_slots + 3
+            log.warning("--inject-bad-slot: row %d of decode step 1 names slot %d of a %d-slot pool", row, ids[row],
+                        self.pool.num_slots)
         self._sync()
         t0 = time.perf_counter()
         if self.spec is None:
-            tokens = torch.tensor([r.generated[-1] if r else 0 for r in rows], device=self.device)
-            slots = torch.tensor([r.slot if r else -1 for r in rows], dtype=torch.int32, device=self.device)
+            tokens = torch.tensor([r.last_token if r else 0 for r in rows], device=self.device)
+            slots = torch.tensor(ids, dtype=torch.int32, device=self.device)
             logits = self.model.forward(tokens, slots)
             nxt = self._greedy(logits)
             out = {i: ([nxt[i]], logits[i:i + 1]) for i, r in enumerate(rows) if r is not None}
         else:
-            out = self.spec.step(rows)
+            out = self.spec.step(rows, ids)
+        self._check_slots("decode")  # the step synced anyway (the greedy tokens went to the host)
         self._sync()
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["decode_steps"] += 1
@@ -279,8 +298,8 @@ class Engine:
                     self.stats["decode_tokens"] += 1
 
     def retire(self) -> None:
-        """Requests with all their tokens give their slot back (``pool.free``). Exporting a finished or preempted
-        request's state (``pool.export_state``) or forking it for parallel sampling (``pool.fork``) plugs in here."""
+        """Requests with all their tokens give their slot back (``pool.free``). (Preemptions, with
+        ``--preempt-prob``, follow in :meth:`serve_lifecycle.Lifecycle.preempt`.)"""
         done = [r for r in self.active if r.prefilled == len(r.prompt) and len(r.generated) >= r.max_new]
         if done:
             self.pool.free([r.slot for r in done])
@@ -300,6 +319,17 @@ class Engine:
         if self.rank == 0:
             r.logits.append(logits.detach().float().cpu())
 
+    def _check_slots(self, kind: str) -> None:
+        """``pool.check()`` in a prefill or decode step (it raises SlotError for a bad slot id); the log names the
+        step."""
+        from tp_replayssm import SlotError
+
+        try:
+            self.pool.check()
+        except SlotError:
+            log.error("pool.check() in %s step %d found bad slots", kind, self.stats[f"{kind}_steps"] + 1)
+            raise
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
@@ -311,104 +341,24 @@ class Engine:
         if not final and now - self._last_progress < 0.1:
             return
         self._last_progress = now
-        s, n = self.stats, self.args.requests
+        s, n = self.stats, self.args.requests + self.life.stats["forks"]
         line = (f"\r[serve] requests {len(self.finished)}/{n} done, {len(self.active)} active, {len(self.waiting)} "
-                f"waiting | prefill {s['prefill_tokens']} tok | decode {s['decode_tokens']} tok")
+                f"waiting, {len(self.life.preempted)} preempted | prefill {s['prefill_tokens']} tok | decode "
+                f"{s['decode_tokens']} tok")
         sys.stderr.write(line + ("\n" if final else ""))
         sys.stderr.flush()
 
     # ---- the check and the summary ----------------------------------------------------------------
 
-    def _reference(self) -> tuple[Any, str]:
-        from serve_model import FLAModel, PlainModel
-
-        kind = self.args.reference
-        if kind == "fla" or (kind == "auto" and self.device.type == "cuda"):
-            try:
-                return FLAModel(self.cfg, self.weights, self.device), "FLA KimiDeltaAttention layers, fp32, one rank"
-            except ImportError as exc:
-                if kind == "fla":
-                    raise
-                log.info("FLA's layers are not importable (%s): checking against the plain model", exc)
-        return PlainModel(self.cfg, self.weights), "plain float64 model, full recurrence, no pool, one rank"
-
     def _check(self) -> dict[str, Any]:
-        """Rank 0: every request's logits and greedy tokens against the reference run teacher-forced on the
-        request's prompt and tokens. A token that is not the reference's argmax fails unless the two logits lie
-        within the tolerance (a near tie). The verdict goes to every rank."""
-        torch = self.torch
-        verdict: list[Any] = [None]
-        if self.rank == 0:
-            t0 = time.perf_counter()
-            ref, what = self._reference()
-            tol = 1e-4 if self.dtype == torch.float32 and self.pool.cache_dtype == torch.float32 else 5e-2
-            err, mismatches, ties, tokens = 0.0, [], 0, 0
-            for r in self.finished:
-                want = ref.logits(r.prompt + r.generated[:-1])[len(r.prompt) - 1:]  # [n_gen, vocab]
-                got = torch.stack(r.logits).double()
-                scale = float(want.abs().max())
-                err = max(err, float((got - want).abs().max()) / scale)
-                for j, tok in enumerate(r.generated):
-                    best = int(want[j].argmax())
-                    tokens += 1
-                    if tok != best:
-                        if float(want[j, best] - want[j, tok]) <= tol * scale:
-                            ties += 1
-                        else:
-                            mismatches.append((r.rid, j, tok, best))
-            ok = err <= tol and not mismatches
-            reason = None if ok else (f"logits rel err {err:.2e} (tol {tol:.0e}), {len(mismatches)} greedy tokens "
-                                      f"differ from the reference {mismatches[:3]}")
-            verdict[0] = dict(ok=ok, reason=reason, what=what, err=err, tol=tol, tokens=tokens, ties=ties,
-                              mismatches=len(mismatches), seconds=time.perf_counter() - t0)
-        self.dist.broadcast_object_list(verdict, src=0)
-        return verdict[0]
+        from serve_report import check_tokens
+
+        return check_tokens(self)
 
     def _summary(self, wall: float, check: dict[str, Any]) -> None:
-        from serve_model import describe_bytes
+        from serve_report import summary
 
-        mine = dict(rank=self.rank, device=str(self.device), pool=self.pool.memory.total,
-                    per_slot_layer=self.pool.memory.per_slot_layer, params=self.model.parameter_bytes(),
-                    generated=self.generated_at_build,
-                    total=sum(math.prod(t.shape) for t in self.weights.values()))
-        every: list[Any] = [None] * self.world
-        self.dist.all_gather_object(every, mine)
-        if self.rank == 0:
-            s, a, c = self.stats, self.args, self.cfg
-            pre = s["prefill_tokens"] / max(s["prefill_s"], 1e-9)
-            dec = s["decode_tokens"] / max(s["decode_s"], 1e-9)
-            lines = [
-                "=" * 72,
-                f"serve summary: {self.world} ranks on {self.device.type}, {c.layers} blocks, hidden {c.hidden}, KDA "
-                f"H={c.heads} HV={c.v_heads} K=V={c.head_dim}, MLP {c.ffn}, vocab {c.vocab}, {self.dtype}, pool "
-                f"{a.batch} slots, L={a.ring_length}, cache {self.pool.cache_dtype}",
-                f"  requests {len(self.finished)}: prompts {sum(len(r.prompt) for r in self.finished)} tokens, "
-                f"generated {sum(len(r.generated) for r in self.finished)} tokens, wall {wall:.2f} s",
-                f"  prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s = {pre:.1f} tokens/s "
-                f"({s['prefill_steps']} packed steps, chunk {a.prefill_chunk or 'whole prompt'})",
-                f"  decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s = {dec:.1f} tokens/s "
-                f"({s['decode_steps']} steps of {a.batch} rows, {s['decode_live'] / max(s['decode_rows'], 1):.0%} "
-                f"live)",
-            ]
-            if self.spec is not None:
-                lines.append(self.spec.summary(s["decode_tokens"], s["decode_live"]))
-            done = sorted(self.finished, key=lambda r: r.rid)
-            digest = zlib.crc32(",".join(str(t) for r in done for t in [r.rid, *r.generated, -1]).encode())
-            lines.append(f"  generated tokens: crc32 {digest:08x} (every request's tokens in request order)")
-            for r in every:
-                lines.append(f"  rank {r['rank']} {r['device']}: pool {describe_bytes(r['pool'])} "
-                             f"({r['per_slot_layer']} B per slot and layer); weights {describe_bytes(r['params'])} "
-                             f"(made {r['generated']} of the checkpoint's {r['total']} elements: its slices and the "
-                             f"replicated ones)")
-            lines.append(f"  check against the {check['what']} ({check['seconds']:.1f} s): {check['tokens']} tokens, "
-                         f"max logits rel err {check['err']:.2e} (tol {check['tol']:.0e}), {check['mismatches']} "
-                         f"greedy mismatches, {check['ties']} near ties")
-            lines.append("  RESULT: OK" if check["ok"] else f"  check FAILED: {check['reason']}")
-            lines.append("=" * 72)
-            print("\n".join(lines), flush=True)
-        if not check["ok"]:
-            raise RuntimeError(check["reason"])
-
+        summary(self, wall, check)
 
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package

@@ -277,9 +277,13 @@ class PlainModel:
 
 class FLAModel:
     """The model with flash-linear-attention's ``KimiDeltaAttention`` layers (fp32, on ``device``); the rest as
-    :class:`PlainModel` in fp32. Needs ``fla`` (and, on a CPU, Triton's interpreter)."""
+    :class:`PlainModel` in fp32. Needs ``fla``; on a CPU, Triton's interpreter (:func:`fla_on_cpu`), where the
+    layers run their ``fused_recurrent`` mode at every length (the ``chunk`` mode they take above 64 tokens is many
+    times slower there)."""
 
     def __init__(self, cfg: ModelConfig, weights: SeededWeights, device: torch.device) -> None:
+        if device.type == "cpu":
+            fla_on_cpu()
         from fla.layers import KimiDeltaAttention
 
         self.c, self.device = cfg, device
@@ -289,7 +293,8 @@ class FLAModel:
         self.kda = []
         for i in range(cfg.layers):
             layer = KimiDeltaAttention(hidden_size=cfg.hidden, num_heads=cfg.heads, num_v_heads=cfg.v_heads,
-                                       head_dim=cfg.head_dim, conv_size=cfg.conv, layer_idx=i).to(device).eval()
+                                       head_dim=cfg.head_dim, conv_size=cfg.conv, layer_idx=i,
+                                       mode="fused_recurrent" if device.type == "cpu" else "chunk").to(device).eval()
             p = f"layers.{i}.attn."
             sd = {ren.get(n[len(p):], n[len(p):]): t for n, t in self.w.items() if n.startswith(p)}
             sd["A_log"] = sd["A_log"].reshape(-1)
@@ -307,6 +312,32 @@ class FLAModel:
                 h = rms_norm(x, w[p + "mlp_norm.weight"], c.eps)
                 x = x + F.silu(h @ w[p + "mlp.up.weight"].T) @ w[p + "mlp.down.weight"].T
             return (rms_norm(x, w["norm.weight"], c.eps) @ w["lm_head.weight"].T).double().cpu()
+
+
+def fla_on_cpu() -> None:
+    """Let FLA's Triton kernels run on a CPU, in Triton's interpreter (``TRITON_INTERPRET=1`` before triton's
+    import: serve.py sets it for ``--reference fla`` on a CPU). Triton's autotuner benchmarks its configs through a
+    GPU driver even there ("0 active drivers"), so every autotuned kernel keeps its first config only. The serving
+    job's workaround (the tests' FLA helper, tests/_fla_cpu.py, does the same); idempotent."""
+    import os
+    import warnings
+
+    import triton.runtime.autotuner as autotuner
+
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # FLA's, on import
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("FLA's layers on a CPU need Triton's interpreter: TRITON_INTERPRET=1 before triton is "
+                           "imported (launch/serve.py sets it for --reference fla --device cpu)")
+    if getattr(autotuner.Autotuner.prune_configs, "_first_config_only", False):
+        return
+    original = autotuner.Autotuner.prune_configs
+
+    def first_config(self: Any, kwargs: Any, *args: Any, **kw: Any) -> Any:
+        return original(self, kwargs, *args, **kw)[:1]
+
+    first_config._first_config_only = True  # type: ignore[attr-defined]
+    autotuner.Autotuner.prune_configs = first_config
 
 
 def describe_bytes(n: float) -> str:

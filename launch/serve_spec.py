@@ -65,17 +65,20 @@ class SpecDecoder:
         self.accepted = 0
         self.histogram = [0] * (drafts + 1)
 
-    def step(self, rows: list[Any]) -> dict[int, tuple[list[int], torch.Tensor]]:
-        """One verify + commit step of the fixed batch ``rows`` (a request per slot, None: a padding row). Returns,
-        per live row, its tokens to emit (``n + 1``: the accepted drafts and the bonus token) and their logits
+    def step(self, rows: list[Any], slot_ids: list[int] | None = None) -> dict[int, tuple[list[int], torch.Tensor]]:
+        """One verify + commit step of the fixed batch ``rows`` (a request per slot, None: a padding row; its input
+        token ``r.last_token``), over ``slot_ids`` (default: each row's ``r.slot``, -1 for padding). Returns, per
+        live row, its tokens to emit (``n + 1``: the accepted drafts and the bonus token) and their logits
         ``[n + 1, vocab]``. Every rank feeds and commits the same tokens: rank 0's greedy choices are broadcast
         before the acceptance is computed."""
         import torch.distributed as dist
 
         T = self.drafts
-        tokens = torch.tensor([[r.generated[-1], *propose(r.prompt + r.generated, T)] if r else [0] * (T + 1)
+        tokens = torch.tensor([[r.last_token, *propose(r.prompt + r.generated, T)] if r else [0] * (T + 1)
                                for r in rows], device=self.device)  # [B, T+1]
-        slots = torch.tensor([r.slot if r else -1 for r in rows], dtype=torch.int32, device=self.device)
+        if slot_ids is None:
+            slot_ids = [r.slot if r else -1 for r in rows]
+        slots = torch.tensor(slot_ids, dtype=torch.int32, device=self.device)
         logits = self.model.verify(tokens, slots)  # [B, T+1, vocab]
         greedy = logits.argmax(-1)
         dist.broadcast(greedy, src=0)

@@ -1,6 +1,8 @@
 """The serving job, ``launch/serve.py``, end to end under torchrun on CPU/gloo ranks: requests of different prompt
 lengths are admitted, prefilled in chunks, decoded and retired, and their greedy tokens and logits match the plain
-float64 model on rank 0; a corrupted weight on one rank makes every rank fail the check."""
+float64 model (or FLA's layers in Triton's interpreter) on rank 0; speculative decoding, forks and preemptions keep
+the stream's tokens; a corrupted weight on one rank makes every rank fail the check, a bad slot id the step's
+``pool.check()``."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+import _fla_cpu
 
 REPO = Path(__file__).resolve().parent.parent
 SERVE = REPO / "launch" / "serve.py"
@@ -78,7 +82,10 @@ def test_serve_help_and_bad_arguments() -> None:
     run = subprocess.run([sys.executable, str(SERVE), "--help"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "torchrun --standalone --nproc-per-node 2 launch/serve.py" in run.stdout
     assert "(default: 8)" in run.stdout  # --prefill-chunk
-    for bad in (["--prompt-len", "5", "3"], ["--reference", "fla"], ["--batch", "0"]):
+    for opt in ("--fork-prob P", "--preempt-prob P", "--inject-bad-slot"):
+        assert opt in run.stdout, opt
+    assert re.search(r"--fork-prob P\s+chance that a free slot takes a fork.*?\(default: 0\.0\)", run.stdout, re.S)
+    for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"]):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, (bad, run.stderr)
 
@@ -93,6 +100,17 @@ def _digest(out: str) -> str:
     return m.group(1)
 
 
+_PLAIN: dict[int, subprocess.CompletedProcess] = {}
+
+
+def _plain_run(log_dir: Path, nproc: int) -> subprocess.CompletedProcess:
+    """The job with SPEC_ARGS and no options, once per rank count (the speculative and lifecycle tests compare
+    against it)."""
+    if nproc not in _PLAIN:
+        _PLAIN[nproc] = _torchrun(log_dir, nproc, *SPEC_ARGS)
+    return _PLAIN[nproc]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_serve_speculative_same_tokens(tmp_path: Path, nproc: int) -> None:
@@ -100,7 +118,7 @@ def test_serve_speculative_same_tokens(tmp_path: Path, nproc: int) -> None:
     tokens as the plain decode (the checksum of every request's tokens), in fewer decode steps; the summary reports
     the acceptance rate and how many rows accepted 0..3 drafts (a vocabulary of 8 makes the greedy tokens repeat, so
     every count occurs with this seed)."""
-    plain = _torchrun(tmp_path / "plain", nproc, *SPEC_ARGS)
+    plain = _plain_run(tmp_path / "plain", nproc)
     spec = _torchrun(tmp_path / "spec", nproc, *SPEC_ARGS, "--spec-tokens", "3")
     outs = [run.stdout + run.stderr for run in (plain, spec)]
     for run, out in zip((plain, spec), outs):
@@ -150,3 +168,77 @@ def test_serve_spec_drafts_and_acceptance() -> None:
     greedy = torch.tensor([[1, 2, 3, 4], [1, 2, 0, 4], [1, 2, 3, 4], [1, 9, 3, 4]])
     n = accepted_drafts(tokens, greedy)
     assert n.dtype == torch.int32 and n.tolist() == [3, 2, 0, 1]
+
+
+LIFE_ARGS = ("--fork-prob", "0.4", "--preempt-prob", "0.15")
+
+
+def _lifecycle_counts(out: str) -> tuple[int, int, int, int]:
+    m = re.search(r"lifecycle: forks (\d+) \(--fork-prob 0\.4; they generated (\d+) tokens\), preemptions (\d+) of "
+                  r"\d+ requests, resumptions (\d+) \(--preempt-prob 0\.15\); pool\.fork [0-9.]+ ms, export_state "
+                  r"[0-9.]+ ms, import_state [0-9.]+ ms in all", out)
+    assert m, out[-3000:]
+    return tuple(int(g) for g in m.groups())  # type: ignore[return-value]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_serve_forks_and_preemptions(tmp_path: Path, nproc: int) -> None:
+    """--fork-prob and --preempt-prob, alone and with --spec-tokens 3: RESULT: OK with every token of every request
+    (forks included: their prompt is the shared prefix) checked against the plain float64 model, forks, preemptions
+    and resumptions counted (all > 0, each preemption resumed), forks counted among the requests, and the stream's
+    7 requests generate exactly the tokens of the run without the options (their checksum equals its checksum of
+    every request); the forks change the checksum of all requests."""
+    plain = _plain_run(tmp_path / "plain", nproc)
+    life = _torchrun(tmp_path / "life", nproc, *SPEC_ARGS, *LIFE_ARGS)
+    spec = _torchrun(tmp_path / "spec", nproc, *SPEC_ARGS, *LIFE_ARGS, "--spec-tokens", "3")
+    want = _digest(plain.stdout + plain.stderr)
+    for run in (life, spec):
+        out = run.stdout + run.stderr
+        assert run.returncode == 0, out[-6000:]
+        assert _results(out, nproc) == [["RESULT: OK"]] + [[]] * (nproc - 1), out[-4000:]
+        assert re.search(r"check against the plain float64 model.*\(tol 1e-04\), 0 greedy mismatches, 0 near ties",
+                         out), out[-3000:]
+        forks, fork_tokens, preempted, resumed = _lifecycle_counts(out)
+        assert forks > 0 and fork_tokens >= forks and preempted > 0 and resumed == preempted, out[-3000:]
+        assert re.search(rf"requests {7 + forks}: prompts \d+ tokens", out), out[-3000:]
+        m = re.search(r"generated tokens: crc32 ([0-9a-f]{8}) \(every request's tokens in request order\); the "
+                      r"stream's 7 requests \(forks left out\): crc32 ([0-9a-f]{8})", out)
+        assert m and m.group(2) == want and m.group(1) != want, (want, out[-3000:])
+    assert "speculative:" in spec.stdout + spec.stderr
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("spec", [False, True])
+def test_serve_bad_slot_fails_at_its_step(tmp_path: Path, spec: bool) -> None:
+    """--inject-bad-slot names a slot out of range in decode step 1 on every rank: that step's pool.check() (not
+    the one at the end of the run) raises SlotError naming the decode (or, with --spec-tokens, the verify), every
+    rank prints one RESULT: FAIL line and the job exits non-zero before its summary."""
+    extra = ("--spec-tokens", "3", "--ring-length", "6") if spec else ()
+    run = _torchrun(tmp_path, 2, "--requests", "4", "--batch", "3", "--new-tokens", "2", "4", "--inject-bad-slot",
+                    *extra)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-4000:]
+    method = "verify" if spec else "decode"
+    for r, lines in enumerate(_results(out, 2)):
+        assert len(lines) == 1 and lines[0].startswith(f"RESULT: FAIL SlotError: ReplaySSMStatePool.{method}("), lines
+        assert re.search(rf"\[rank {r}\] ERROR serve: pool\.check\(\) in decode step 1 found bad slots", out)
+    assert "serve summary" not in out and "RESULT: OK" not in out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not _fla_cpu.FLA_AVAILABLE, reason=_fla_cpu.SKIP_REASON)
+def test_serve_fla_reference_on_cpu(tmp_path: Path) -> None:
+    """--reference fla on a CPU: the greedy tokens and logits of 2 gloo ranks (forks and preemptions included)
+    equal those of the same model run on rank 0 through FLA 0.6.0's KimiDeltaAttention layers, fp32 in Triton's
+    interpreter (the job sets TRITON_INTERPRET itself). Tiny sizes: FLA's kernels are interpreted."""
+    run = _torchrun(tmp_path, 2, "--reference", "fla", "--layers", "1", "--heads", "1", "--v-heads", "2",
+                    "--requests", "4", "--batch", "2", "--prompt-len", "2", "6", "--new-tokens", "1", "4",
+                    "--fork-prob", "0.5", "--preempt-prob", "0.2", "--seed", "1")
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert _results(out, 2) == [["RESULT: OK"], []], out[-4000:]
+    m = re.search(r"check against the FLA KimiDeltaAttention layers, fp32, one rank, Triton's interpreter "
+                  r"\([0-9.]+ s\): (\d+) tokens, max logits rel err ([0-9.e+-]+) \(tol 1e-04\), 0 greedy mismatches",
+                  out)
+    assert m and int(m.group(1)) > 0 and float(m.group(2)) < 1e-4, out[-3000:]
