@@ -1,17 +1,21 @@
 """Registers, shared memory and spills of the conv kernel for sm_90 (H100/H200), read on a CPU machine.
 
-Generates the Triton code of ``tp_replayssm.kernels.conv.conv_update_kernel`` for the library's plan of each case
-with Helion, compiles it for sm_90 with the ptxas of the triton wheel and reads the cubin's resource usage with the
-bundled ``cuobjdump`` (as ``kernel_regs.py`` does for the decode kernel). Uses the H200's triton 3.6.0 where
-``dev.sh`` put it (``TP_REPLAYSSM_TRITON_H200``). Prints one line per case and, with ``--json``, a JSON list.
+Generates the Triton code of the conv kernel of the library's plan of each case (``tp_replayssm.kernels.conv``: the
+plan's form, ``"once"`` or ``"taps"``) with Helion, compiles it for sm_90 with the ptxas of the triton wheel, with the
+launch arguments specialized as on the GPU, and reads the cubin's resource usage with the bundled ``cuobjdump`` (as
+``kernel_regs.py`` does for the decode kernel). Uses the H200's triton 3.6.0 where ``dev.sh`` put it
+(``TP_REPLAYSSM_TRITON_H200``). Prints one line per case (registers, stack, shared memory, a hash of the SASS
+instructions) and, with ``--json``, a JSON list.
 
     ./dev.sh python benchmarks/conv_regs.py
-    KERNEL_REGS_DUMP=dir python benchmarks/conv_regs.py --case 512,1,12288,4   # keeps the Triton code, PTX, SASS
+    ./dev.sh python benchmarks/conv_regs.py --case 128,1,12288,4 --form taps       # the other form
+    KERNEL_REGS_DUMP=dir python benchmarks/conv_regs.py --case 512,1,12288,4   # keeps Triton code, TTGIR, PTX, SASS
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -28,14 +32,23 @@ _DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "f
 
 
 def conv_resources(batch: int, tokens: int, channels: int, W: int, dtype: str = "bf16", bias: bool = True,
-                   silu: bool = True) -> dict[str, object]:
-    """``{"regs", "stack", "shared", "plan"}`` of the conv kernel compiled for sm_90 with the library's plan."""
+                   silu: bool = True, form: str | None = None, block_d: int | None = None,
+                   num_warps: int | None = None) -> dict[str, object]:
+    """``{"regs", "stack", "shared", "plan", "sass"?}`` of the conv kernel compiled for sm_90 with the library's plan
+    (``form``: the library's plan of that form; ``block_d``, ``num_warps``: that field of the plan replaced).
+
+    The launch arguments are those Helion's generated host code passes (it runs here with a launcher that records
+    them), specialized as Triton's JIT specializes them on the GPU (``native_specialize_impl``: an integer 1 becomes a
+    constant, integers and pointers divisible by 16 carry that hint), so the code is the one the device compiles."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("conv_regs compiles real GPU code: unset TRITON_INTERPRET")
+    import dataclasses
+
     import helion
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     sys.path.insert(0, str(REPO))
@@ -44,64 +57,86 @@ def conv_resources(batch: int, tokens: int, channels: int, W: int, dtype: str = 
     from tp_replayssm.kernels.guard import ERROR_WORDS
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
-    plan = conv.plan_conv(batch, channels, W, 132)
+    # the library's plan of the call, or of the form asked for ("taps" runs any number of tokens, "once" one)
+    plan = conv.plan_conv(batch, channels, W, 132, {None: tokens, "taps": None, "once": 1}[form])
+    if block_d is not None:
+        plan = dataclasses.replace(plan, block_d=block_d)
+    if num_warps is not None:
+        plan = dataclasses.replace(plan, num_warps=num_warps)
+    plan.check(tokens, W)
     x = torch.zeros(batch, tokens, channels, dtype=dt)
     y = torch.zeros_like(x)
     S = batch + 2
     state = torch.zeros(2, S + 1, channels, max(W - 1, 0), dtype=dt)
-    weight, b = torch.zeros(channels, W), torch.zeros(channels)
+    weight, b = torch.zeros(channels, W, dtype=dt), torch.zeros(channels, dtype=dt)
     slots, cursors = torch.zeros(batch, dtype=torch.int32), torch.zeros(S + 1, dtype=torch.int32)
     errors, code = torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     win, (sl, ss, sd) = rows_view(state) if W > 1 else (weight[:1], (0, 0, 0))
-    args = (x.transpose(1, 2), y, win, weight, b if bias else weight[0], slots, cursors, errors, code, sl, ss, sd, 4,
-            W, plan.width_block, plan.named_block, bias, silu)
+    xs = (x.transpose(1, 2), y) if plan.form == "taps" else (x[:, 0], y[:, 0])
+    if plan.form == "taps":
+        args = (*xs, win, weight, b if bias else weight[0], slots, cursors, errors, code, sl, ss, sd, 4,
+                W, plan.width_block, plan.named_block, bias, silu)
+    else:
+        args = (*xs, win, weight.view(-1), b if bias else weight[0], slots, cursors, errors, code, sl, ss, 4, sd, W,
+                1, W, plan.width_block, plan.named_block, bias, silu, True)
     config = plan.config
-    source = helion.kernel(conv.conv_update_kernel, config=config, **conv._SETTINGS).bind(args).to_triton_code(config)
-    tensors = dict(xt3=x, y3=y, win_rows=win, weight=weight, bias=b, slots=slots, cursors=cursors,
-                   slot_errors=errors, call_code=code)
+    kernel_fn = conv._KERNELS[plan.form]
+    source = helion.kernel(kernel_fn, config=config, **conv._SETTINGS).bind(args).to_triton_code(config)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "gen_conv_kernel.py"
         src.write_text(source)
         spec = importlib.util.spec_from_file_location("tp_replayssm_generated_conv", src)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # triton reads the jitted function's source from this file
-        fn = module._helion_conv_update_kernel
-        sig, constexprs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in tensors:
-                sig[name] = "*" + _DTYPE[str(tensors[name].dtype)]
-            elif name.startswith("_"):
-                sig[name] = "constexpr"
-                constexprs[(i,)] = int(re.search(rf"{name} = (\d+)", source).group(1))
-            else:
-                sig[name] = "i64"
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        launched = {}
+
+        def record(kernel: object, grid: tuple, *targs: object, **kw: object) -> None:
+            launched.update(kernel=kernel, args=targs, options=kw)
+
+        getattr(module, kernel_fn.__name__)(*args, _launcher=record)  # the host code: strides, sizes, grid
+        fn = launched["kernel"]
+        sig, constexprs, attrs = {}, {}, {}
+        for i, (name, value) in enumerate(zip(fn.arg_names, launched["args"])):
+            kind, hint = native_specialize_impl(BaseBackend, value, False, True, True)
+            sig[name] = kind
+            if kind == "constexpr":
+                constexprs[(i,)] = value
+            elif hint == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names[len(launched["args"]):], start=len(launched["args"])):
+            sig[name] = "constexpr"  # the block sizes: module constants of the generated code
+            constexprs[(i,)] = int(re.search(rf"{name} = tl.constexpr\((\d+)\)", source).group(1))
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=plan.num_warps, num_stages=1))
+                                  options=dict(num_warps=launched["options"]["num_warps"],
+                                               num_stages=launched["options"]["num_stages"]))
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
+        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
         dump = os.environ.get("KERNEL_REGS_DUMP")
         if dump:
             Path(dump).mkdir(parents=True, exist_ok=True)
             (Path(dump) / "conv_kernel.py").write_text(source)
-            (Path(dump) / "conv_kernel.ptx").write_text(compiled.asm["ptx"])
-            sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
+            for ext in ("ttgir", "ptx"):
+                (Path(dump) / f"conv_kernel.{ext}").write_text(compiled.asm[ext])
             (Path(dump) / "conv_kernel.sass").write_text(sass)
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage, re.S)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
     regs, stack, shared = map(int, m.groups())
     return dict(regs=regs, stack=stack, shared=max(shared, int(compiled.metadata.shared)), plan=str(plan),
-                triton=triton.__version__)
+                triton=triton.__version__, sass=sass)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", default=[], help="B,T,D,W (repeatable; default: the standard cases)")
-    ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="inputs and windows")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "fp16"), default="bf16", help="inputs, windows and taps")
+    ap.add_argument("--form", choices=("once", "taps"), default=None, help="the plan's form instead of the library's")
+    ap.add_argument("--block-d", type=int, default=None, help="channels per program instead of the library's")
+    ap.add_argument("--warps", type=int, default=None, help="warps per program instead of the library's")
     ap.add_argument("--json", action="store_true", help="print a JSON list instead of lines")
     args = ap.parse_args(argv)
     h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200")
@@ -110,13 +145,21 @@ def main(argv: list[str] | None = None) -> None:
     cases = [tuple(int(v) for v in c.split(",")) for c in args.case] or CASES
     rows = []
     for B, T, D, W in cases:
-        r = dict(batch=B, tokens=T, channels=D, W=W, **conv_resources(B, T, D, W, args.dtype))
+        res = conv_resources(B, T, D, W, args.dtype, form=args.form, block_d=args.block_d,
+                             num_warps=args.warps)
+        digest = hashlib.sha256("\n".join(_instructions(res.pop("sass"))).encode()).hexdigest()[:16]
+        r = dict(batch=B, tokens=T, channels=D, W=W, sass_hash=digest, **res)
         rows.append(r)
         if not args.json:
             print(f"triton {r['triton']}: B={B} T={T} D={D} W={W} {args.dtype}: {r['regs']} registers/thread, "
-                  f"{r['stack']} B stack (spills), {r['shared']} B shared; {r['plan']}")
+                  f"{r['stack']} B stack (spills), {r['shared']} B shared, SASS {digest}; {r['plan']}")
     if args.json:
         print(json.dumps(rows))
+
+
+def _instructions(sass: str) -> list[str]:
+    """The instruction texts of a SASS dump, without addresses and encodings (as ``sass_hashes.py`` hashes them)."""
+    return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", sass)]
 
 
 if __name__ == "__main__":

@@ -9,14 +9,17 @@ before the recurrence. For a row with pre-conv inputs ``x [T, D]`` and its slot'
 and the window then holds the last ``W-1`` entries of ``u``, rounded to its dtype. All math is fp32; ``y`` takes
 ``x``'s dtype. :func:`tp_replayssm.pool.conv.conv_reference` is the same math in torch ops.
 
-One program per (row, block of ``block_d`` channels) (:func:`plan_conv`). A program decides whether its row may touch
-its slot exactly as the decode kernel does (slot in range, allocated: its cursor in ``[0, L-1]``, named by no other
-row of the call), reads the window columns and inputs each output needs straight from memory (``u[t + i]`` is a
-window column while ``t + i < W-1``, else input ``t + i - (W-1)``), writes ``y``, then, behind a CTA barrier (the
-window is read by other threads of the program and Helion orders no write-after-read), writes the new window. A
-refused row (slot out of range, free, or named twice) writes zeros to ``y`` and nothing else, and its first
-program records it in the pool's error record; a padding row (slot < 0) writes zeros. No host sync; on sm_90+ it is
-launched with programmatic dependent launch like the decode kernel.
+The launch plan (:func:`~.conv_plan.plan_conv`) picks one of two kernels of this contract, its ``form``:
+``"once"`` (:mod:`.conv_once`, one token per row: every input and window element read once, every load issued before
+the row's verdict; the library's choice for one token) and ``"taps"`` (:func:`conv_update_kernel` below, any number
+of tokens). Both run one program per (row, block of ``block_d`` channels). A ``"taps"`` program decides whether its
+row may touch its slot exactly as the decode kernel does (slot in range, allocated: its cursor in ``[0, L-1]``, named
+by no other row of the call), reads the window columns and inputs each output needs straight from memory (``u[t +
+i]`` is a window column while ``t + i < W-1``, else input ``t + i - (W-1)``), writes ``y``, then, behind a CTA
+barrier (the window is read by other threads of the program and Helion orders no write-after-read), writes the new
+window. In both, a refused row (slot out of range, free, or named twice) writes zeros to ``y`` and nothing else, and
+its first program records it in the pool's error record; a padding row (slot < 0) writes zeros. No host sync; on
+sm_90+ the kernels are launched with programmatic dependent launch like the decode kernel.
 
 The window arrives as an overlapping row view of the whole ``pool.conv_state [NL, S+1, D, W-1]``
 (:func:`tp_replayssm.kernels.args.rows_view`): row ``layer*sl + slot*ss + d*sd`` holds channel ``d``'s window, so
@@ -25,7 +28,6 @@ any layer and any strides with a contiguous last dim work without a copy.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -38,9 +40,12 @@ import helion.language as hl
 from .guard import SlotGuard
 from . import direct
 from .args import rows_view
+from .conv_once import conv_once_kernel
+from .conv_plan import (CONV_FORMS, MAX_BLOCK_D, MIN_BLOCK_D, MIN_PROGRAMS_PER_SM, NAMED_BLOCK_MAX, ConvPlan,
+                        conv_bytes, plan_conv)
 
-__all__ = ["DIRECT_PLANS", "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv",
-           "plan_conv"]
+__all__ = ["CONV_FORMS", "DIRECT_PLANS", "MAX_BLOCK_D", "MIN_BLOCK_D", "MIN_PROGRAMS_PER_SM", "NAMED_BLOCK_MAX",
+           "ConvPlan", "conv_bytes", "conv_kernel_for", "conv_update_kernel", "launch_conv", "plan_conv"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,77 +142,26 @@ def conv_update_kernel(
     return y3
 
 
-# Sizes vary per call (batch, tokens); one compile serves them. Offsets into a pool exceed int32 in large pools.
+# Sizes vary per call (batch, tokens); one compile serves them ("once" specializes D). Offsets into a pool exceed
+# int32 in large pools.
 _SETTINGS = dict(static_shapes=False, index_dtype=torch.int64)
 
-# The channel block: the smallest block that keeps a program's loads wide, the largest that keeps its tiles in
-# registers; between them, the largest that still gives MIN_PROGRAMS programs (latency at small batches: many
-# small programs; bandwidth at large ones: fewer, longer programs, each paying the slot scan once).
-MIN_BLOCK_D, MAX_BLOCK_D = 64, 1024
-MIN_PROGRAMS_PER_SM = 2
-NAMED_BLOCK_MAX = 256  # rows per step of the slot scan
-
-
-@dataclasses.dataclass(frozen=True)
-class ConvPlan:
-    """How a conv launch is compiled: ``block_d`` channels per program, ``num_warps``, ``width_block`` (the power of
-    two >= W the taps are computed in) and ``named_block`` (rows per step of the slot scan)."""
-
-    block_d: int
-    num_warps: int
-    width_block: int
-    named_block: int
-
-    @property
-    def config(self) -> helion.Config:
-        return _config(self.block_d, self.num_warps)
+_KERNELS = {"taps": conv_update_kernel, "once": conv_once_kernel}
 
 
 @functools.lru_cache(maxsize=None)
-def _config(block_d: int, num_warps: int) -> helion.Config:
-    return helion.Config(block_sizes=[block_d], indexing="pointer", num_warps=num_warps, num_stages=1)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def plan_conv(batch: int, channels: int, kernel_size: int, sm_count: int) -> ConvPlan:
-    """The plan of a conv launch of ``batch`` rows, ``channels`` (D) and kernel ``kernel_size`` (W) on a device of
-    ``sm_count`` SMs: ``block_d`` = the largest power of two in ``[MIN_BLOCK_D, MAX_BLOCK_D]`` (and not above D's
-    power of two) with ``batch * ceil(D / block_d) >= MIN_PROGRAMS_PER_SM * sm_count``, else ``MIN_BLOCK_D``;
-    ``num_warps = block_d / 128`` in ``[1, 8]`` (4 channels per thread); the slot scan's step is the batch's power of
-    two up to ``NAMED_BLOCK_MAX``."""
-    block = min(MAX_BLOCK_D, max(MIN_BLOCK_D, _pow2_at_least(channels)))
-    while block > MIN_BLOCK_D and batch * -(-channels // block) < MIN_PROGRAMS_PER_SM * sm_count:
-        block //= 2
-    return ConvPlan(block_d=block, num_warps=min(8, max(1, block // 128)), width_block=_pow2_at_least(kernel_size),
-                    named_block=min(NAMED_BLOCK_MAX, max(16, _pow2_at_least(batch))))
-
-
-@functools.lru_cache(maxsize=None)
-def conv_kernel_for(config: helion.Config) -> helion.Kernel:
-    """The conv kernel pinned to ``config`` (one kernel object per config)."""
-    logger.debug("conv kernel: %s", config)
-    return helion.kernel(conv_update_kernel, config=config, **_SETTINGS)
+def conv_kernel_for(config: helion.Config, form: str = "taps") -> helion.Kernel:
+    """The conv kernel of ``form`` (:data:`CONV_FORMS`) pinned to ``config`` (one kernel object per pair)."""
+    logger.debug("conv kernel %s: %s", form, config)
+    return helion.kernel(_KERNELS[form], config=config, **_SETTINGS)
 
 
 DIRECT_PLANS = direct.PlanCache("conv_update")
-_PARAMS = tuple(inspect.signature(conv_update_kernel).parameters)
+_PARAMS = {form: tuple(inspect.signature(k).parameters) for form, k in _KERNELS.items()}
 
 
 def _input_index(inputs: tuple[torch.Tensor, ...], tensor: torch.Tensor) -> int:
     return next(i for i, t in enumerate(inputs) if t is tensor)
-
-
-def conv_bytes(batch: int, channels: int, kernel_size: int, *, tokens: int = 1, act_bytes: int = 2,
-               window_bytes: int = 2, weight_bytes: int = 2, bias: bool = True) -> int:
-    """The bytes one conv launch must move (its floor): per row the inputs read and the outputs written
-    (``tokens * D`` each, ``act_bytes``), the window read and the new window written (``(W-1) * D`` each,
-    ``window_bytes``), its slot id and cursor (4 bytes each); once the weights ``[D, W]`` (and bias ``[D]``)."""
-    per_row = 2 * tokens * channels * act_bytes + 2 * (kernel_size - 1) * channels * window_bytes + 8
-    return batch * per_row + channels * (kernel_size + (1 if bias else 0)) * weight_bytes
 
 
 def _sm_count(device: torch.device) -> int:
@@ -230,14 +184,17 @@ def launch_conv(x3: torch.Tensor, y3: torch.Tensor, conv_state: torch.Tensor, la
     W-1]`` (the pool's; its ``layer``), ``weight [D, W]``, ``bias [D]`` or None, ``slots [B]`` int32, ``cursors
     [S+1]``; ``guard``: where bad rows are recorded. On CUDA, repeated calls of the same metadata and layer launch the
     compiled kernel directly (:mod:`.direct`; the key holds the plan and the layer, which with the tensors' metadata
-    determine every integer the launch passes)."""
+    determine every integer the launch passes). ``plan`` replaces the library's (:func:`plan_conv`); it must fit the
+    call (:meth:`ConvPlan.check`)."""
     B, T, D = x3.shape
     W = weight.shape[1]
     device = x3.device
     if plan is None:
-        plan = plan_conv(B, D, W, _sm_count(device))
+        plan = plan_conv(B, D, W, _sm_count(device), T)
+    else:
+        plan.check(T, W)
     config = plan.config
-    kern = conv_kernel_for(config)
+    kern = conv_kernel_for(config, plan.form)
     inputs = (x3, y3, conv_state, weight, weight if bias is None else bias, slots, cursors, *guard)
 
     def make_args() -> direct.LaunchArgs:
@@ -247,16 +204,22 @@ def launch_conv(x3: torch.Tensor, y3: torch.Tensor, conv_state: torch.Tensor, la
         else:  # no window: a distinct view the kernel never reads
             win, (sl, ss, sd) = weight[:1], (0, 0, 0)
         tensors = {  # name -> (value, the input it views)
-            "xt3": (x3.transpose(1, 2), x3), "y3": (y3, y3), "win_rows": (win, conv_state if W > 1 else weight),
+            "xt3": (x3.transpose(1, 2), x3), "y3": (y3, y3), "x2": (x3[:, 0], x3), "y2": (y3[:, 0], y3),
+            "win_rows": (win, conv_state if W > 1 else weight),
             "weight": (weight, weight),
             "bias": (weight[0], weight) if bias is None else (bias, bias),  # a distinct view: matched by identity
             "slots": (slots, slots), "cursors": (cursors, cursors), "slot_errors": (guard.errors, guard.errors),
             "call_code": (guard.code, guard.code)}
-        scalars = dict(layer_row=layer * sl, ws=ss, wd=sd, ring_length=int(ring_length), kernel_size=W,
+        wt_d, wt_i = weight.stride()
+        span = (D - 1) * wt_d + (W - 1) * wt_i + 1
+        tensors["weight_flat"] = (weight.as_strided((span,), (1,)), weight)
+        scalars = dict(layer_row=layer * sl, ws=ss, wd=sd, wt_d=wt_d, wt_i=wt_i, ring_length=int(ring_length),
+                       kernel_size=W,
                        width_block=plan.width_block, named_block=plan.named_block, has_bias=bias is not None,
-                       silu=bool(silu))
-        values = tuple(tensors[n][0] if n in tensors else scalars[n] for n in _PARAMS)
-        sources = tuple(_input_index(inputs, tensors[n][1]) if n in tensors else None for n in _PARAMS)
+                       silu=bool(silu), on_gpu=device.type == "cuda")
+        params = _PARAMS[plan.form]
+        values = tuple(tensors[n][0] if n in tensors else scalars[n] for n in params)
+        sources = tuple(_input_index(inputs, tensors[n][1]) if n in tensors else None for n in params)
         return direct.LaunchArgs(values, sources, {})
 
     DIRECT_PLANS.launch(kern, config, make_args, inputs, device, (plan, int(layer), int(ring_length), bool(silu)))

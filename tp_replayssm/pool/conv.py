@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.backend import runs_kernel
+from ..kernels.conv_plan import ConvPlan
 from ..kernels.plan import DecodePlan, problem_of
 from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
 from ..kernels.guard import SlotGuard, record_bad_rows
@@ -91,14 +92,17 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
 
 def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,
                 bias: torch.Tensor | None, activation: str | None, guard: SlotGuard | None,
-                where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+                where: str, out: torch.Tensor | None = None, plan: ConvPlan | None = None) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.conv_update` after its checks, no host sync, CUDA-graph capturable: the Helion kernel
     (:mod:`tp_replayssm.kernels.conv`) where kernels run (:func:`~tp_replayssm.kernels.backend.runs_kernel`: CUDA,
     or the CPU in Triton's interpreter), else :func:`conv_update_torch`. ``guard`` None records nothing (a decode
-    with the conv records its bad rows itself). ``out``: a contiguous tensor of ``x``'s shape and dtype for ``y``."""
+    with the conv records its bad rows itself). ``out``: a contiguous tensor of ``x``'s shape and dtype for ``y``.
+    ``plan``: the kernel's launch plan instead of the library's (checked on the PyTorch path too)."""
     check_ids(slots, where, pool.device, (torch.int32,))
     if slots.shape[0] != x.shape[0]:
         raise ValueError(f"{where}: `slots` must have one id per row of `x` ({x.shape[0]}); got {describe(slots)}")
+    if plan is not None:
+        check_conv_plan(plan, x, pool.conv_kernel_size, where)
     if not runs_kernel(pool.device, where):
         y = conv_update_torch(pool, layer, x, weight, slots, bias, activation, guard)
         return y if out is None else out.copy_(y)
@@ -109,27 +113,42 @@ def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: t
     if x.shape[0]:
         x3, y3 = (x, y) if x.dim() == 3 else (x[:, None], y[:, None])
         launch_conv(x3, y3, pool.conv_state, layer, weight, bias, slots, pool.cursors, pool.ring_length,
-                    activation == "silu", guard or spare_guard(pool.device))
+                    activation == "silu", guard or spare_guard(pool.device), plan)
     return y
 
 
+def check_conv_plan(plan: object, x: torch.Tensor, kernel_size: int, where: str) -> None:
+    """``ValueError`` unless ``plan`` is a :class:`~tp_replayssm.kernels.conv.ConvPlan` that can run ``x [B, D]`` or
+    ``[B, T, D]`` with kernel ``kernel_size``."""
+    if not isinstance(plan, ConvPlan):
+        raise ValueError(f"{where}: `plan` must be a ConvPlan or None; got {type(plan).__name__}")
+    try:
+        plan.check(1 if x.dim() == 2 else x.shape[1], kernel_size)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
 def conv_before_decode(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, weight: torch.Tensor,
-                       bias: torch.Tensor | None, *, advance: bool, plan: DecodePlan | None, where: str) -> DecodeCall:
+                       bias: torch.Tensor | None, *, advance: bool, plan: DecodePlan | None, where: str,
+                       conv_plan: ConvPlan | None = None) -> DecodeCall:
     """The conv of ``pool.decode(..., conv_weight=, conv_bias=)``: check the conv's arguments and the whole decode call
     (with a fresh buffer as its ``mixed_qkv``, and ``plan``) first, since the conv moves the windows; then run the
-    conv (SiLU) of the call's pre-conv ``mixed_qkv [B, D]`` into that buffer and return the call that reads it. The
-    conv records no bad rows: the decode kernel records the same rows."""
+    conv (SiLU) of the call's pre-conv ``mixed_qkv [B, D]`` into that buffer (with ``conv_plan`` where given) and
+    return the call that reads it. The conv records no bad rows: the decode kernel records the same rows."""
     x = call.mixed_qkv
     check_conv_args(pool, x, weight, bias, "silu", where)
     if x.dim() != 2:
         raise ValueError(f"{where}: `mixed_qkv` must be [B, D] (one pre-conv token per row); got {describe(x)}")
+    if conv_plan is not None:
+        check_conv_plan(conv_plan, x, pool.conv_kernel_size, where)
     call = call._replace(mixed_qkv=torch.empty(x.shape, dtype=x.dtype, device=pool.device))
     dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where)
     if plan is not None:
         plan.check(problem_of(dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype,
                               device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,
                               use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound))
-    conv_update(pool, layer, x, weight, call.ssm_state_indices, bias, "silu", None, where, out=call.mixed_qkv)
+    conv_update(pool, layer, x, weight, call.ssm_state_indices, bias, "silu", None, where, out=call.mixed_qkv,
+                plan=conv_plan)
     return call
 
 

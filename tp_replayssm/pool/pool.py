@@ -43,6 +43,7 @@ import torch
 
 from ..kernels import cursor
 from ..kernels.launch import run_decode
+from ..kernels.conv_plan import ConvPlan
 from ..kernels.plan import DecodePlan
 from ..tp import placement
 from ..tp.devices import resolve_device
@@ -312,18 +313,20 @@ class ReplaySSMStatePool:
     # ---- the short convolution ------------------------------------------------------------------
 
     def conv_update(self, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor, *,
-                    bias: torch.Tensor | None = None, activation: str | None = "silu") -> torch.Tensor:
+                    bias: torch.Tensor | None = None, activation: str | None = "silu",
+                    plan: ConvPlan | None = None) -> torch.Tensor:
         """The causal depthwise convolution of ``x [B, D]`` or ``[B, T, D]`` (pre-conv, this rank's channels) with
         ``weight [D, W]`` and ``bias [D]``, continuing each row's window and leaving the last ``W-1`` inputs in it;
         returns ``y`` of ``x``'s shape and dtype (:mod:`tp_replayssm.pool.conv`). Padding rows (slot < 0) get
-        zeros and change nothing; so do bad rows (recorded for :meth:`check`). No host sync."""
+        zeros and change nothing; so do bad rows (recorded for :meth:`check`). No host sync. ``plan``: a kernel
+        launch plan instead of the library's (:func:`tp_replayssm.kernels.conv.plan_conv`; benchmarks, tests)."""
         where = f"ReplaySSMStatePool.conv_update(layer={layer})"
         self._check_layer(layer, "conv_update")
         conv.check_conv_args(self, x, weight, bias, activation, where)
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=True)
         return conv.conv_update(self, layer, x, weight, slots, bias, activation, self.guard("conv_update", layer),
-                                where)
+                                where, plan=plan)
 
     # ---- the decode step ------------------------------------------------------------------------
 
@@ -346,6 +349,7 @@ class ReplaySSMStatePool:
         conv_weight: torch.Tensor | None = None,
         conv_bias: torch.Tensor | None = None,
         plan: DecodePlan | None = None,
+        conv_plan: ConvPlan | None = None,
     ) -> torch.Tensor:
         """One decode token per row of this rank's LOCAL inputs (:class:`~tp_replayssm.tp.heads.HeadShard` slices
         global ones): ``mixed_qkv [B, 2*H_l*K + HV_l*V]``, ``a [B, HV_l*K]`` or ``[B, HV_l, K]``, ``b [B, HV_l]``,
@@ -355,7 +359,7 @@ class ReplaySSMStatePool:
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
         would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
         SiLU) runs first, in a launch of its own, and advances the rows' windows (:meth:`conv_update`; docs/conv.md).
-        ``plan`` replaces the library's launch plan (benchmarks)."""
+        ``plan`` replaces the library's launch plan, ``conv_plan`` the conv launch's (benchmarks, tests)."""
         where = f"ReplaySSMStatePool.decode(layer={layer})"
         self._check_layer(layer, "decode")
         if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
@@ -376,9 +380,10 @@ class ReplaySSMStatePool:
                           use_qk_l2norm_in_kernel, lower_bound)
         if conv_weight is not None:  # every check first (the conv moves the windows), then the conv
             call = conv.conv_before_decode(self, layer, call, conv_weight, conv_bias, advance=bool(advance), plan=plan,
-                                           where=where)
-        elif conv_bias is not None:
-            raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
+                                           where=where, conv_plan=conv_plan)
+        elif conv_bias is not None or conv_plan is not None:
+            raise ValueError(f"{where}: `{'conv_bias' if conv_bias is not None else 'conv_plan'}` given without "
+                             f"`conv_weight`")
         run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
                    guard=self.guard("decode", layer), where=where)
         return out
