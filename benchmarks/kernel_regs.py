@@ -50,6 +50,19 @@ def example_call(plan: object, state: str = "fp32", heads: int = 8, batch: int =
     return call, DecodeDims(B, H, H, K, V, L, B)
 
 
+def example_conv(call: object, dims: object, W: int = 4) -> object:
+    """A ``FusedConv`` for ``example_call``'s call: bf16 windows of 2 layers over its ``B + 1`` slots, bf16 taps
+    ``[D, W]`` and bias, zero counters (what a plan with ``fused_conv`` compiles against)."""
+    import torch
+
+    from tp_replayssm.kernels.args import FusedConv
+
+    D = call.mixed_qkv.shape[1]
+    return FusedConv(torch.zeros(2, dims.batch + 1, D, W - 1, dtype=torch.bfloat16), 1,
+                     torch.zeros(D, W, dtype=torch.bfloat16), torch.zeros(D, dtype=torch.bfloat16),
+                     torch.zeros((dims.batch + 1) * dims.num_q_heads, dtype=torch.int32))
+
+
 def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_fn: object = None,
                      with_sass: bool = False, with_ptx: bool = False) -> dict[str, object]:
     """``{"regs", "stack", "shared", "local"}`` of the decode kernel compiled for sm_90 with ``plan`` (a
@@ -73,7 +86,8 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
     # 64 rows, or fewer where the pool's count of the rows naming a slot covers only that many in one load (a plan
     # made for B <= 16 has no loop for more rows: compiling it for 64 would add one)
     call, dims = example_call(plan, state, heads, batch=min(64, plan.named_block) if plan.cursor_table else 64)
-    args = decode_kernel_args(call, dims, plan, 0.1, call.force_flush, spare_guard(torch.device("cpu"))).values
+    conv = example_conv(call, dims) if plan.fused_conv else None  # (a plan that fuses the pool's conv)
+    args = decode_kernel_args(call, dims, plan, 0.1, call.force_flush, spare_guard(torch.device("cpu")), conv).values
     config, maxnreg = plan.config, plan.maxnreg
     warps = config.config["num_warps"]
     kernel_fn = kernel_fn or decode.replayssm_decode_kernel
@@ -140,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=("predecayed", "sglang"), default="predecayed")
     ap.add_argument("--lower-bound", action="store_true", help="a bounded gate (lower_bound = -5)")
     ap.add_argument("--advance", action="store_true", help="the fused cursor advance")
+    ap.add_argument("--conv", type=int, default=0, help="pre-conv q/k/v with the pool's conv of this W (the plan "
+                                                          "fuses it; --override fused_conv=0 does not)")
     ap.add_argument("--override", default="", help="plan fields to replace, e.g. 'value_tile=64,vector_tiles=0'")
     ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's")
     args = ap.parse_args(argv)
@@ -151,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     from plan_args import build_plan
 
     plan = build_plan(batch=args.batch, heads=args.heads, state=args.state, layout=args.layout,
-                      lower_bound=-5.0 if args.lower_bound else None, advance=args.advance, override=args.override)
+                      lower_bound=-5.0 if args.lower_bound else None, advance=args.advance, override=args.override,
+                      conv_kernel_size=args.conv, cursor_table=True if args.conv else None)
     kernel_fn = None
     if args.kernel:
         import importlib.util

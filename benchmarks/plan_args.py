@@ -8,7 +8,8 @@ the arguments are parsed, and ``DecodePlan.check`` rejects a plan the call canno
 Fields that the library derives from others follow an override of those others unless they are overridden too:
 ``value_chunk`` (at most ``value_tile``), ``advance_readers`` (from ``value_tile``, with the fused advance),
 ``vector_tiles`` (from the tile, chunk, warps and ``tensor_core_chunks``), ``chunk_stages`` (from
-``tensor_core_chunks``) and the pre-decayed rebase form ``predecayed_ring`` 2/3 (from ``maxnreg``). So
+``tensor_core_chunks``), the pre-decayed rebase form ``predecayed_ring`` 2/3 (from ``maxnreg``) and, for a call with
+the conv (``conv_kernel_size``), ``fused_conv`` (from ``value_tile``) and ``conv_readers`` (from both). So
 ``--override value_tile=64`` is the launch the library would make if it chose 64-row value tiles.
 """
 
@@ -54,8 +55,9 @@ def override_arg(text: str) -> dict[str, Any]:
 def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int = 128, value_dim: int = 128,
             ring_length: int = 16, state: str = "fp32", cache: str = "bf16", layout: str = "predecayed",
             lower_bound: float | None = None, advance: bool = False, cursor_table: bool | None = None,
-            use_l2norm: bool = True, device: str = "cuda") -> Any:
-    """The ``DecodeProblem`` of a benchmark shape (an H200 plan when ``device`` is "cuda" on any machine)."""
+            use_l2norm: bool = True, device: str = "cuda", conv_kernel_size: int = 0) -> Any:
+    """The ``DecodeProblem`` of a benchmark shape (an H200 plan when ``device`` is "cuda" on any machine;
+    ``conv_kernel_size``: the pool's conv W when ``mixed_qkv`` is pre-conv)."""
     import torch
 
     from tp_replayssm.kernels.plan import H200_SMS, DecodeProblem
@@ -67,7 +69,7 @@ def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int 
     bounded = lower_bound is not None and (ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
     return DecodeProblem(batch, q_heads or heads, heads, key_dim, value_dim, ring_length, dt[state], dt[cache],
                          device, sms, layout, advance if cursor_table is None else cursor_table, advance, use_l2norm,
-                         lower_bound is not None, bounded)
+                         lower_bound is not None, bounded, conv_kernel_size)
 
 
 def build_plan(*, override: str | dict[str, Any] = "", **problem_kwargs: Any) -> Any:
@@ -85,7 +87,7 @@ def build_plan(*, override: str | dict[str, Any] = "", **problem_kwargs: Any) ->
 def _derived(prob: Any, plan: Any, changes: dict[str, Any]) -> dict[str, Any]:
     """The derived fields (module docstring) of ``plan`` recomputed after ``changes``, except those ``changes``
     names itself."""
-    from tp_replayssm.kernels.plan import MMA_CHUNK_STAGES, _vector_tiles, cursor_readers
+    from tp_replayssm.kernels.plan import MMA_CHUNK_STAGES, _vector_tiles, conv_readers, cursor_readers, fused_conv_mode
 
     out: dict[str, Any] = {}
 
@@ -102,4 +104,9 @@ def _derived(prob: Any, plan: Any, changes: dict[str, Any]) -> dict[str, Any]:
         follow("advance_readers", ("value_tile",), lambda: cursor_readers(prob, plan.value_tile))
     if plan.predecayed_ring in (2, 3):  # unbounded gates: the rebase pass (3) goes with a register cap
         follow("predecayed_ring", ("maxnreg",), 3 if plan.maxnreg is not None else 2)
+    if prob.conv_kernel_size:  # the fused conv's mode follows the value tile; its reader count the mode
+        follow("fused_conv", ("value_tile",), lambda: fused_conv_mode(prob, plan.value_tile)[0])
+        fused = out.get("fused_conv", plan.fused_conv)
+        follow("conv_readers", ("value_tile", "fused_conv"),
+               lambda: conv_readers(prob, plan.value_tile) if fused == 2 else 0)
     return out

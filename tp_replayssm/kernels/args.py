@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -25,12 +26,31 @@ from .decode import replayssm_decode_kernel
 from .direct import LaunchArgs, cache_strides, ordered_args
 from .plan import DecodePlan
 
-__all__ = ["VECTORS_PER_LANE", "decode_kernel_args", "no_flush", "rows_view", "vector_tiles_view"]
+__all__ = ["CONV_INPUTS", "VECTORS_PER_LANE", "FusedConv", "decode_kernel_args", "no_flush", "rows_view",
+           "vector_tiles_view"]
 
 # 16-byte vectors of a checkpoint row per thread in the append loop's vector tiles (docs/tuning.md, vector tiles)
 VECTORS_PER_LANE = 4
 _PARAMS = tuple(inspect.signature(replayssm_decode_kernel).parameters)
-_SOURCE = {name: i for i, name in enumerate((*CALL_TENSORS, "slot_errors", "call_code"))}
+# the tensors of a fused conv, after the call's and the guard's among a launch's inputs
+CONV_INPUTS = ("conv_state", "conv_weight", "conv_bias", "conv_counters")
+_SOURCE = {name: i for i, name in enumerate((*CALL_TENSORS, "slot_errors", "call_code", *CONV_INPUTS))}
+
+
+class FusedConv(NamedTuple):
+    """The pool's conv that a decode launch runs itself (``DecodePlan.fused_conv``): ``conv_state [NL, S+1, D, W-1]``
+    (its ``layer``), the taps ``weight [D, W]`` (any strides), ``bias [D]`` or None, ``counters [(S+1) * H]`` int32
+    (zero between launches; mode 2 counts a q/k head's programs in them)."""
+
+    conv_state: torch.Tensor
+    layer: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    counters: torch.Tensor
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """The launch inputs :data:`CONV_INPUTS` (the weight again where there is no bias: never read)."""
+        return self.conv_state, self.weight, self.weight if self.bias is None else self.bias, self.counters
 
 
 def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -66,10 +86,12 @@ def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Te
 
 
 def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, scale: float,
-                       force_flush: torch.Tensor, guard: SlotGuard) -> LaunchArgs:
+                       force_flush: torch.Tensor, guard: SlotGuard, conv: FusedConv | None = None) -> LaunchArgs:
     """The kernel's arguments for a validated call (``force_flush``: the call's, or zeros when it passed None;
-    ``guard``: the pool's error record and call code, a spare pair for the op). Sources index the launch's inputs:
-    the call's tensors (:data:`CALL_TENSORS`), then ``guard.errors`` and ``guard.code``."""
+    ``guard``: the pool's error record and call code, a spare pair for the op; ``conv``: the conv the launch fuses,
+    with ``plan.fused_conv``). Sources index the launch's inputs: the call's tensors (:data:`CALL_TENSORS`), then
+    ``guard.errors`` and ``guard.code``, then (with ``conv``) :data:`CONV_INPUTS`. Without a conv the conv arguments
+    are views of the call's tensors that the kernel never reads."""
     B, H, HV, K, V = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
     mixed_qkv, a, dt_bias, out = call.mixed_qkv, call.a, call.dt_bias, call.out
     # one as_strided per view (a slice plus an unflatten costs twice the host time, which eager decode pays on
@@ -105,6 +127,22 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
     values = {"scale": scale, "num_slots": dims.num_slots,
               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
               **cache_strides(st, dr, kr, gr), **plan.constexprs()}
+    tensors["vpost3"] = (tensors["out3"][0].as_strided((B, HV, V), tensors["out3"][0].stride(),
+                                                       tensors["out3"][0].storage_offset()), "out")
+    if conv is None:
+        tensors.update(conv_rows=(state_rows, "initial_state"), conv_w=(call.A_log, "A_log"),
+                       conv_b=(call.A_log, "A_log"), conv_counters=(guard.errors, "slot_errors"))
+        values.update(cv_base=0, cv_s=0, conv_size=1, conv_width=1, conv_has_bias=False, cv_d=0, cw_d=0, cw_i=0)
+    else:
+        W = conv.weight.shape[1]
+        rows, (sl, ss, sd) = rows_view(conv.conv_state)
+        wt_d, wt_i = conv.weight.stride()
+        span = (conv.weight.shape[0] - 1) * wt_d + (W - 1) * wt_i + 1
+        tensors.update(conv_rows=(rows, "conv_state"), conv_w=(conv.weight.as_strided((span,), (1,)), "conv_weight"),
+                       conv_b=(conv.weight if conv.bias is None else conv.bias, "conv_bias"),
+                       conv_counters=(conv.counters.view(-1), "conv_counters"))
+        values.update(cv_base=conv.layer * sl, cv_s=ss, conv_size=W, conv_width=1 << (W - 1).bit_length(),
+                      conv_has_bias=conv.bias is not None, cv_d=sd, cw_d=wt_d, cw_i=wt_i)
     return ordered_args(_PARAMS, tensors, values, _SOURCE)
 
 

@@ -27,6 +27,9 @@ import torch
 
 import helion.language as hl
 
+from .conv_math import silu as silu_of
+from .conv_math import taps_tile
+
 __all__ = ["conv_once_kernel"]
 
 
@@ -77,7 +80,7 @@ def conv_once_kernel(
             wrow = layer_row + s64 * ws + d.to(torch.int64) * wd  # [block_d] the channels' window rows
             in_window = i < kernel_size - 1
             uw = hl.load(win_rows, [wrow, torch.where(in_window, i, 0)], extra_mask=in_window[None, :]).to(torch.float32)
-            u = torch.where((i == kernel_size - 1)[None, :], xv[:, None], uw)  # [block_d, width_block]
+            u = taps_tile(uw, xv[:, None], (i == kernel_size - 1)[None, :])  # [block_d, width_block]
         else:
             u = xv[:, None]
         cur = cursors[s64]
@@ -92,13 +95,7 @@ def conv_once_kernel(
         if has_bias:
             acc = acc + bias_d
         if silu:
-            if on_gpu:  # x / (1 + 2^(-x log2 e)) with the approximate ex2 and rcp: 5 instructions, a few ulp
-                acc = hl.inline_asm_elementwise(
-                    "{ .reg .f32 t; mul.f32 t, $1, 0fBFB8AA3B; ex2.approx.ftz.f32 t, t; add.f32 t, t, 0f3F800000; "
-                    "rcp.approx.ftz.f32 t, t; mul.f32 $0, $1, t; }", "=r,r", [acc], dtype=torch.float32, is_pure=True,
-                    pack=1)
-            else:
-                acc = acc * torch.sigmoid(acc)
+            acc = silu_of(acc, on_gpu)
         hl.store(y2, [row, d], torch.where(ok, acc, 0.0).to(y2.dtype))
         if kernel_size > 1:  # the new window: u's columns 1 .. W-1 to window columns 0 .. W-2
             shifted = (i >= 1) & (i < kernel_size)

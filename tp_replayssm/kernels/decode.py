@@ -21,6 +21,7 @@ import torch
 import helion
 import helion.language as hl
 
+from .conv_math import conv_output, taps_tile
 from .decode_math import (chunk_outputs, decayed_keys, g_entry, gate_math, k_entry, qk_math, ring_rows, row_dots,
                           split3_columns, vector_tile)
 
@@ -47,7 +48,14 @@ def replayssm_decode_kernel(
     force_flush: torch.Tensor,  # [B] int32 (zeros when the caller passed None)
     slot_errors: torch.Tensor,  # [ERROR_WORDS] int32: the pool's record of bad rows (kernels.guard)
     call_code: torch.Tensor,  # [1] int32: what this call records there
+    conv_rows: torch.Tensor,  # fused_conv: rows view [span, W-1] of pool.conv_state (else any tensor, never read)
+    conv_w: torch.Tensor,  # fused_conv: the taps weight[d, i] at element d*cw_d + i*cw_i of this flat view
+    conv_b: torch.Tensor,  # fused_conv with conv_has_bias: [D] the bias
+    conv_counters: torch.Tensor,  # fused_conv == 2: [(S + 1) * H] int32, zero between launches
+    vpost3: torch.Tensor,  # fused_conv: [B, HV, V] a view of out3's memory that holds the post-conv v until the outputs
     num_slots: int,  # S: a row whose slot is >= S is refused
+    cv_base: int,  # fused_conv: the layer's first window row, and the window element stride of a slot
+    cv_s: int,
     scale: float,
     lower_bound: float,
     st_s: int, st_h: int, st_v: int,  # checkpoint element strides (slot, head, value row)
@@ -67,6 +75,14 @@ def replayssm_decode_kernel(
     vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
     named_block: hl.constexpr = 16,  # rows per step of the scan that counts how many rows name a slot
     on_gpu: hl.constexpr = True,  # device code, or the Triton interpreter (which runs no inline PTX)
+    fused_conv: hl.constexpr = 0,  # 0: q3/k3/v3 post-conv; 1/2: pre-conv, the conv fused (docs/conv.md; 2: counted)
+    conv_readers: hl.constexpr = 0,  # fused_conv == 2: the programs of one (row, q/k head)
+    conv_size: hl.constexpr = 1,  # W
+    conv_width: hl.constexpr = 1,  # the power of two >= W the taps are computed in
+    conv_has_bias: hl.constexpr = False,
+    cv_d: hl.constexpr = 0,  # window element stride of a channel (W-1 in the pool)
+    cw_d: hl.constexpr = 0,  # taps' element strides: channel, tap
+    cw_i: hl.constexpr = 0,
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -166,7 +182,52 @@ def replayssm_decode_kernel(
                 k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
                                  extra_mask=ring_mask[:, None])
             if ok:
-                q, k = qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
+                if fused_conv:  # the conv of this program's channels from their windows (docs/conv.md, the fused conv)
+                    ci = hl.arange(conv_width)  # the taps
+                    in_window = ci < conv_size - 1
+                    last_tap = (ci == conv_size - 1)[None, :]
+                    kk = hl.arange(q3.size(2))
+                    cv_row = cv_base + s64 * cv_s  # the slot's window rows start here
+                    q_ch = h * q3.size(2) + kk  # channels of q head h, of its k head, of this value tile
+                    k_ch = (H + h) * q3.size(2) + kk
+                    v_ch = 2 * H * q3.size(2) + hv * V + tv.index
+                    q_u = taps_tile(hl.load(conv_rows, [cv_row + q_ch * cv_d, torch.where(in_window, ci, 0)],
+                                            extra_mask=in_window[None, :]), q3[row, h, :][:, None], last_tap)
+                    k_u = taps_tile(hl.load(conv_rows, [cv_row + k_ch * cv_d, torch.where(in_window, ci, 0)],
+                                            extra_mask=in_window[None, :]), k3[row, h, :][:, None], last_tap)
+                    v_u = taps_tile(hl.load(conv_rows, [cv_row + v_ch * cv_d, torch.where(in_window, ci, 0)],
+                                            extra_mask=in_window[None, :]), v3[row, hv, tv][:, None], last_tap)
+                    q_w = hl.load(conv_w, [q_ch[:, None] * cw_d + ci[None, :] * cw_i],
+                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
+                    k_w = hl.load(conv_w, [k_ch[:, None] * cw_d + ci[None, :] * cw_i],
+                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
+                    v_w = hl.load(conv_w, [v_ch[:, None] * cw_d + ci[None, :] * cw_i],
+                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
+                    if conv_has_bias:
+                        q_post = conv_output(q_u, q_w, hl.load(conv_b, [q_ch]), on_gpu)
+                        k_post = conv_output(k_u, k_w, hl.load(conv_b, [k_ch]), on_gpu)
+                        v_post = conv_output(v_u, v_w, hl.load(conv_b, [v_ch]), on_gpu)
+                    else:
+                        q_post = conv_output(q_u, q_w, None, on_gpu)
+                        k_post = conv_output(k_u, k_w, None, on_gpu)
+                        v_post = conv_output(v_u, v_w, None, on_gpu)
+                    # the post-conv values in the activation dtype, as the conv's own launch would hand them over;
+                    # v in out3's rows of this tile until the chunk loops read it (and overwrite it with the outputs)
+                    vpost3[row, hv, tv] = v_post.to(vpost3.dtype)
+                    hl.inline_triton("tl.debug_barrier()", [], None)  # the window reads and the v rows, ordered
+                    shifted = (ci >= 1) & (ci < conv_size)
+                    to_col = torch.where(shifted, ci - 1, 0)
+                    hl.store(conv_rows, [cv_row + v_ch * cv_d, to_col], v_u.to(conv_rows.dtype),  # the new v window
+                             extra_mask=shifted[None, :])
+                    if fused_conv == 1:  # the only program that reads this q/k head's windows writes them
+                        hl.store(conv_rows, [cv_row + q_ch * cv_d, to_col], q_u.to(conv_rows.dtype),
+                                 extra_mask=shifted[None, :])
+                        hl.store(conv_rows, [cv_row + k_ch * cv_d, to_col], k_u.to(conv_rows.dtype),
+                                 extra_mask=shifted[None, :])
+                    q, k = qk_math(q_post.to(q3.dtype).to(torch.float32), k_post.to(k3.dtype).to(torch.float32), scale,
+                                   use_l2norm)
+                else:
+                    q, k = qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
                 x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
                 g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
                 beta = torch.sigmoid(b2[row, hv].to(torch.float32))
@@ -238,11 +299,14 @@ def replayssm_decode_kernel(
                             prod = hl.dot(md_ring.T, w_mat, acc=hl.dot(mS0, a_mat))  # [Vc, 16] fp32
                             mspk = torch.sum(torch.where(k_col, prod, 0.0), dim=1)  # S' @ k
                             mspq = torch.sum(torch.where(k_col, 0.0, prod), dim=1)  # S' @ q
-                            mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
+                            if fused_conv:
+                                mv_c = hl.load(vpost3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
+                            else:
+                                mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
                             mdelta = beta * (mv_c - mspk)
                             hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
-                            if predecayed_ring == 3:  # a rebasing head stores none
-                                mlive = mlive & (mrows < d_end)
+                            if predecayed_ring == 3 and not fused_conv:  # a rebasing head stores none (with the
+                                mlive = mlive & (mrows < d_end)  # fused conv its rebase pass reads the delta back)
                             hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
                     else:  # row reductions in registers, the next chunk's loads in flight
                         for chunk in hl.grid(tv.begin, tv.end, value_chunk):
@@ -260,10 +324,13 @@ def replayssm_decode_kernel(
                                                  extra_mask=(after < tv.end)[:, None])
                             d_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), after],
                                              extra_mask=valid[:, None] & (after < tv.end)[None, :])
-                            v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                            if fused_conv:
+                                v_c = hl.load(vpost3, [row, hv, rows], extra_mask=live).to(torch.float32)
+                            else:
+                                v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
                             delta, out = chunk_outputs(S0, d_ring, v_c, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
                             hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
-                            if predecayed_ring == 3:  # a rebasing head stores none
+                            if predecayed_ring == 3 and not fused_conv:  # a rebasing head stores none (as above)
                                 live = live & (rows < d_end)
                             hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
                     if not vector_tiles:  # the ring entries at c, as above
@@ -287,8 +354,13 @@ def replayssm_decode_kernel(
                                               extra_mask=zlive[:, None]).to(torch.float32)
                                 zd = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
                                              extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
-                                zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
-                                zdelta, _ = chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
+                                if fused_conv:  # the post-conv v is gone (the outputs took its rows): the append
+                                    # loop stored this step's delta at c, as a flush would read it from the ring
+                                    zdelta = hl.load(d_rows, [dr_base + cur * dr_l, zrows],
+                                                     extra_mask=zlive).to(torch.float32)
+                                else:
+                                    zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
+                                    zdelta, _ = chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
                                 zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]
                                 for zback in hl.grid(cur):
                                     zj = cur - 1 - zback
@@ -340,7 +412,10 @@ def replayssm_decode_kernel(
                                           extra_mask=(fafter < tv.end)[:, None])
                         fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
                                           extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
-                        fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
+                        if fused_conv:
+                            fv_c = hl.load(vpost3, [row, hv, frows], extra_mask=flive).to(torch.float32)
+                        else:
+                            fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
                         fdelta, fout = chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
                         hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
                         if predecayed_ring:  # exp(G_c)
@@ -370,6 +445,24 @@ def replayssm_decode_kernel(
                             hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), frows],
                                      hl.zeros([ring_block, value_chunk], d_rows.dtype),
                                      extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
+                if fused_conv:  # the q/k window writes that wait for the loops (docs/conv.md, the fused conv)
+                    if fused_conv == 2:  # the q/k windows, by the last of the head's programs to get here: all the
+                        # others have read them (a CTA barrier, then an acq_rel count of the programs; zero again after)
+                        hl.inline_triton("tl.debug_barrier()", [], None)
+                        seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
+                        if seen == conv_readers - 1:
+                            eq_ch = h * q3.size(2) + kk
+                            ek_ch = (H + h) * q3.size(2) + kk
+                            eq_u = taps_tile(hl.load(conv_rows, [cv_row + eq_ch * cv_d, torch.where(in_window, ci, 0)],
+                                                     extra_mask=in_window[None, :]), q3[row, h, :][:, None], last_tap)
+                            ek_u = taps_tile(hl.load(conv_rows, [cv_row + ek_ch * cv_d, torch.where(in_window, ci, 0)],
+                                                     extra_mask=in_window[None, :]), k3[row, h, :][:, None], last_tap)
+                            hl.inline_triton("tl.debug_barrier()", [], None)
+                            hl.store(conv_rows, [cv_row + eq_ch * cv_d, to_col], eq_u.to(conv_rows.dtype),
+                                     extra_mask=shifted[None, :])
+                            hl.store(conv_rows, [cv_row + ek_ch * cv_d, to_col], ek_u.to(conv_rows.dtype),
+                                     extra_mask=shifted[None, :])
+                            conv_counters[s64 * H + h] = seen * 0
             else:  # a refused row: a padding row, recorded once per row (value head 0, first value tile)
                 out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
                 if cursors_by_slot:

@@ -10,7 +10,7 @@ the direct launcher after a metadata key's first call.
 from __future__ import annotations
 
 
-from .args import decode_kernel_args, no_flush
+from .args import FusedConv, decode_kernel_args, no_flush
 from .guard import SlotGuard, spare_guard
 from ..validation import DecodeCall, DecodeDims, resolve_scale, validate_decode_once
 from . import direct
@@ -24,34 +24,40 @@ __all__ = ["DIRECT_PLANS", "launch_decode", "plan_for", "run_decode"]
 DIRECT_PLANS = direct.PlanCache("replayssm_decode")
 
 def plan_for(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_table: bool,
-             advance: bool) -> DecodePlan:
-    """The library's plan for a validated call."""
+             advance: bool, conv_kernel_size: int = 0) -> DecodePlan:
+    """The library's plan for a validated call (``conv_kernel_size``: the pool's W when ``mixed_qkv`` is pre-conv)."""
     return plan_decode(problem_of(
         dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=call.mixed_qkv.device,
         ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
-        use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound))
+        use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound,
+        conv_kernel_size=conv_kernel_size))
 
 
 def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False, advance: bool = False,
                plan: DecodePlan | None = None, guard: SlotGuard | None = None,
-               where: str = "replayssm_decode") -> DecodeDims:
+               where: str = "replayssm_decode", conv: FusedConv | None = None) -> DecodeDims:
     """Validate and run one decode call in place (module docstring); returns its sizes.
 
     ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]``; ``advance`` (with it) moves those
     cursors in the same launch, as :func:`tp_replayssm.kernels.cursor.advance` would right after it. ``plan``
     replaces the library's launch plan (benchmarks, tests); it must fit the call (:meth:`DecodePlan.check`).
-    ``guard``: the pool's error record and this call's code (slot safety); the op passes none."""
+    ``guard``: the pool's error record and this call's code (slot safety); the op passes none. ``conv``: the pool's
+    conv, which this launch runs on the pre-conv ``mixed_qkv`` (the pool's path, where kernels run and the plan fuses
+    it: ``plan.fused_conv``; :func:`tp_replayssm.pool.conv.decode_with_conv` decides)."""
     if advance and not cursor_table:
         raise ValueError(f"{where}: advance=True needs the pool's cursor table [S + 1] as `write_pos`")
     dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
     device = call.mixed_qkv.device
     kernel = runs_kernel(device, where)
+    W = 0 if conv is None else conv.weight.shape[1]
     if plan is not None:  # (checked on the PyTorch path too, which runs none: a wrong plan is a caller's bug)
         problem = problem_of(
             dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=device,
             ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
-            use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound)
+            use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound, conv_kernel_size=W)
         plan.check(problem, device_code=kernel)
+    if conv is not None and (not kernel or plan is None or not plan.fused_conv):
+        raise ValueError(f"{where}: a fused conv runs in the kernel with a plan that fuses it (plan.fused_conv)")
     if dims.batch == 0:
         return dims
     if not kernel:
@@ -61,19 +67,24 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
         return dims
     if plan is None:
         plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
-    launch_decode(call, dims, plan, guard or spare_guard(device))
+    launch_decode(call, dims, plan, guard or spare_guard(device), conv)
     return dims
 
 
-def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, guard: SlotGuard) -> None:
-    """Launch the kernel for a validated call with ``plan`` (no checks)."""
+def launch_decode(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, guard: SlotGuard,
+                  conv: FusedConv | None = None) -> None:
+    """Launch the kernel for a validated call with ``plan`` (no checks; ``conv`` with ``plan.fused_conv``)."""
     device = call.mixed_qkv.device
     force = no_flush(dims.batch, device) if call.force_flush is None else call.force_flush
     scale = resolve_scale(call.scale, dims.key_dim)
     inputs = (*call[:5], *call[6:13], force, *guard)  # the call's tensors (CALL_TENSORS order), then the guard's
+    key: tuple = (plan,)
+    if conv is not None:  # then the conv's (args.CONV_INPUTS); the layer decides the window offset the launch passes
+        inputs += conv.inputs()
+        key = (plan, int(conv.layer), conv.bias is None)
     config = plan.config
     DIRECT_PLANS.launch(
-        decode_kernel_for(config), config, lambda: decode_kernel_args(call, dims, plan, scale, force, guard), inputs,
-        device,
-        (plan,), {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)},
+        decode_kernel_for(config), config, lambda: decode_kernel_args(call, dims, plan, scale, force, guard, conv),
+        inputs, device,
+        key, {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)},
         None if plan.maxnreg is None else {"maxnreg": plan.maxnreg})

@@ -22,7 +22,8 @@ import helion
 
 from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
 
-__all__ = ["DecodePlan", "DecodeProblem", "plan_decode", "problem_of"]
+__all__ = ["DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "plan_decode",
+           "problem_of"]
 
 # (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
 TINY_BATCH_BELOW = 16
@@ -69,16 +70,19 @@ class DecodeProblem:
     use_l2norm: bool
     use_lower_bound: bool
     gate_bounded: bool
+    conv_kernel_size: int = 0  # W of the pool's conv when mixed_qkv is pre-conv (the launch may fuse it), else 0
 
 
 def problem_of(dims: DecodeDims, *, state_dtype: torch.dtype, cache_dtype: torch.dtype, device: torch.device,
                ring_layout: str, cursor_table: bool, advance: bool, use_l2norm: bool,
-               lower_bound: float | None) -> DecodeProblem:
-    """The :class:`DecodeProblem` of a validated call."""
+               lower_bound: float | None, conv_kernel_size: int = 0) -> DecodeProblem:
+    """The :class:`DecodeProblem` of a validated call (``conv_kernel_size``: the pool's W when ``mixed_qkv`` is
+    pre-conv)."""
     bounded = lower_bound is not None and (dims.ring_length - 1) * abs(lower_bound) <= PREDECAYED_MAX_LOG_DECAY
     return DecodeProblem(dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
                          dims.ring_length, state_dtype, cache_dtype, device.type, _sm_count(device), ring_layout,
-                         bool(cursor_table), bool(advance), bool(use_l2norm), lower_bound is not None, bounded)
+                         bool(cursor_table), bool(advance), bool(use_l2norm), lower_bound is not None, bounded,
+                         int(conv_kernel_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +111,9 @@ class DecodePlan:
     ring_block: int
     use_l2norm: bool
     use_lower_bound: bool
+    fused_conv: int = 0  # 0: no conv in this launch; 1: the conv fused, each program owns its q/k windows; 2: fused,
+    # the last of a q/k head's programs writes its windows (counted); see fused_conv_mode
+    conv_readers: int = 0  # fused_conv == 2: the programs of one (row, q/k head), HV/H * ceil(V / value_tile)
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -124,7 +131,7 @@ class DecodePlan:
                     cursors_by_slot=self.cursor_table, tiny_batch=self.tiny_batch,
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
-                    on_gpu=self.on_gpu)
+                    on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -153,6 +160,27 @@ class DecodePlan:
         if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
             raise ValueError(f"DecodePlan: `vector_tiles` {self.vector_tiles} needs a power-of-two key dim; got "
                              f"K={problem.key_dim}")
+        self._check_fused_conv(problem)
+
+    def _check_fused_conv(self, problem: DecodeProblem) -> None:
+        """The fused conv's fields against ``problem`` (:func:`fused_conv_mode`)."""
+        if self.fused_conv not in (0, 1, 2):
+            raise ValueError(f"DecodePlan: `fused_conv` must be 0, 1 or 2; got {self.fused_conv}")
+        if not self.fused_conv:
+            if self.conv_readers:
+                raise ValueError(f"DecodePlan: `conv_readers` must be 0 without a fused conv; got {self.conv_readers}")
+            return
+        if not fusable(problem):
+            raise ValueError(f"DecodePlan: `fused_conv` {self.fused_conv} needs a pre-conv call with a window (W >= 2) "
+                             f"on the pool's cursor table with power-of-two K and V (conv_kernel_size={problem.conv_kernel_size}, "
+                             f"cursor_table={problem.cursor_table}, K={problem.key_dim}, V={problem.value_dim})")
+        readers = conv_readers(problem, self.value_tile)
+        if self.fused_conv == 1 and readers != 1:
+            raise ValueError(f"DecodePlan: `fused_conv` 1 needs one program per (row, q/k head); value tiles of "
+                             f"{self.value_tile} rows give {readers}: use 2")
+        if self.fused_conv == 2 and self.conv_readers != readers:
+            raise ValueError(f"DecodePlan: `conv_readers` must be {readers} for value tiles of {self.value_tile} "
+                             f"rows; got {self.conv_readers}")
 
 
 def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0,
@@ -256,6 +284,28 @@ def _vector_tiles(problem: DecodeProblem, vt: int, chunk: int, warps: int, mma: 
     return 2 if vt == chunk else 1
 
 
+def fusable(problem: DecodeProblem) -> bool:
+    """Whether the launch can run the pool's conv itself: a pre-conv call with a window (``conv_kernel_size >= 2``)
+    on the pool's cursor table, with power-of-two K and V (the conv's channel tiles)."""
+    pow2 = all(n & (n - 1) == 0 for n in (problem.key_dim, problem.value_dim))
+    return problem.conv_kernel_size >= 2 and problem.cursor_table and pow2
+
+
+def conv_readers(problem: DecodeProblem, value_tile: int) -> int:
+    """The programs that read one (row, q/k head)'s q and k windows: ``HV/H * ceil(V / value_tile)``."""
+    return problem.num_v_heads // problem.num_q_heads * -(-problem.value_dim // value_tile)
+
+
+def fused_conv_mode(problem: DecodeProblem, value_tile: int) -> tuple[int, int]:
+    """``(fused_conv, conv_readers)`` of the library's plan: the conv fused wherever :func:`fusable`; mode 1 where
+    one program reads a q/k head's windows (it writes them itself), else mode 2 (the last of the head's programs
+    writes them, counted with an atomic)."""
+    if not fusable(problem):
+        return 0, 0
+    readers = conv_readers(problem, value_tile)
+    return (1, 0) if readers == 1 else (2, readers)
+
+
 def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
     """The programs that read one row's cursor (``HV * ceil(V / value_tile)``): the fused advance counts them in
     the cursor word's upper 15 bits, so at most 32767 of them and rings of at most 65535 entries."""
@@ -280,6 +330,7 @@ def plan_decode(problem: DecodeProblem) -> DecodePlan:
         mode = 1  # no rebase can happen: the check is compiled out
     else:
         mode = 3 if maxnreg is not None else 2  # under the register cap the flush branch's choice spilled
+    fused, readers = fused_conv_mode(problem, vt)
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
@@ -289,4 +340,5 @@ def plan_decode(problem: DecodeProblem) -> DecodePlan:
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())) if problem.cursor_table else 16,
         on_gpu=problem.device_type == "cuda", cursor_table=problem.cursor_table,
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
-        use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound)
+        use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound, fused_conv=fused,
+        conv_readers=readers)

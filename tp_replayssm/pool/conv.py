@@ -16,14 +16,17 @@ takes ``x``'s dtype and the window stores inputs rounded to ``conv_dtype``. docs
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ..kernels.args import FusedConv
 from ..kernels.backend import runs_kernel
 from ..kernels.conv_plan import ConvPlan
-from ..kernels.plan import DecodePlan, problem_of
+from ..kernels.launch import run_decode
+from ..kernels.plan import DecodePlan, plan_decode, problem_of
 from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
 from ..kernels.guard import SlotGuard, record_bad_rows
 from .slots import check_ids
@@ -32,7 +35,7 @@ if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
 __all__ = ["ACTIVATIONS", "check_conv_args", "conv_before_decode", "conv_reference", "conv_update", "conv_update_torch",
-           "row_verdict"]
+           "decode_with_conv", "row_verdict"]
 
 ACTIVATIONS = ("silu", None)
 
@@ -126,6 +129,47 @@ def check_conv_plan(plan: object, x: torch.Tensor, kernel_size: int, where: str)
         plan.check(1 if x.dim() == 2 else x.shape[1], kernel_size)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
+
+
+def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, weight: torch.Tensor,
+                     bias: torch.Tensor | None, *, advance: bool, plan: DecodePlan | None, conv_plan: ConvPlan | None,
+                     guard: SlotGuard, where: str) -> None:
+    """``pool.decode(..., conv_weight=, conv_bias=)``: the decode of the call's pre-conv ``mixed_qkv [B, D]`` with the
+    pool's conv (SiLU) before it. Where kernels run and the decode plan fuses the conv (``plan.fused_conv``, the
+    library's plan wherever :func:`~tp_replayssm.kernels.plan.fusable`), one launch does both; otherwise the conv runs
+    in a launch of its own (``conv_plan``, or the library's) and the decode reads its output
+    (:func:`conv_before_decode`; the PyTorch path for CPU tensors). Every argument is checked first."""
+    x = call.mixed_qkv
+    check_conv_args(pool, x, weight, bias, "silu", where)
+    if x.dim() != 2:
+        raise ValueError(f"{where}: `mixed_qkv` must be [B, D] (one pre-conv token per row); got {describe(x)}")
+    kernel = runs_kernel(pool.device, where)
+    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where)
+    problem = problem_of(dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype,
+                         device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,
+                         use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound,
+                         conv_kernel_size=pool.conv_kernel_size)
+    if plan is not None:
+        plan.check(problem, device_code=kernel)
+    elif kernel:
+        plan = plan_decode(problem)
+    if kernel and plan.fused_conv:
+        if conv_plan is not None:
+            raise ValueError(f"{where}: `conv_plan` given, but `plan` fuses the conv into the decode launch "
+                             f"(fused_conv={plan.fused_conv}); pass a plan with fused_conv=0 for a conv launch")
+        counters = getattr(pool, "conv_counters", None)
+        if counters is None:  # made on the first fused call (warm-up, before any graph capture): zero between launches
+            counters = pool.conv_counters = torch.zeros((pool.num_slots + 1) * pool.local_heads.num_q_heads,
+                                                        dtype=torch.int32, device=pool.device)
+        run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=plan, guard=guard,
+                   where=where, conv=FusedConv(pool.conv_state, layer, weight, bias, counters))
+        return
+    if plan is not None:
+        plan = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+    call = conv_before_decode(pool, layer, call, weight, bias, advance=advance, plan=plan, where=where,
+                              conv_plan=conv_plan)
+    run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=plan, guard=guard,
+               where=where)
 
 
 def conv_before_decode(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, weight: torch.Tensor,

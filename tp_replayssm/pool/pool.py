@@ -358,7 +358,8 @@ class ReplaySSMStatePool:
         None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
         would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
-        SiLU) runs first, in a launch of its own, and advances the rows' windows (:meth:`conv_update`; docs/conv.md).
+        SiLU) runs first and advances the rows' windows (:meth:`conv_update`), fused into the decode launch where the
+        plan fuses it, else in a launch of its own (docs/conv.md).
         ``plan`` replaces the library's launch plan, ``conv_plan`` the conv launch's (benchmarks, tests)."""
         where = f"ReplaySSMStatePool.decode(layer={layer})"
         self._check_layer(layer, "decode")
@@ -378,10 +379,11 @@ class ReplaySSMStatePool:
             self._debug_check(slots, where, allow_padding=True, unique=True)
         call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
                           use_qk_l2norm_in_kernel, lower_bound)
-        if conv_weight is not None:  # every check first (the conv moves the windows), then the conv
-            call = conv.conv_before_decode(self, layer, call, conv_weight, conv_bias, advance=bool(advance), plan=plan,
-                                           where=where, conv_plan=conv_plan)
-        elif conv_bias is not None or conv_plan is not None:
+        if conv_weight is not None:  # every check first (the conv moves the windows), then the conv and the decode
+            conv.decode_with_conv(self, layer, call, conv_weight, conv_bias, advance=bool(advance), plan=plan,
+                                  conv_plan=conv_plan, guard=self.guard("decode", layer), where=where)
+            return out
+        if conv_bias is not None or conv_plan is not None:
             raise ValueError(f"{where}: `{'conv_bias' if conv_bias is not None else 'conv_plan'}` given without "
                              f"`conv_weight`")
         run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
