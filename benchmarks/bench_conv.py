@@ -190,12 +190,17 @@ def two_launch_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -
                       override={"fused_conv": 0})
 
 
-def library_fused_conv(hv: int, batch: int, state: str, args: argparse.Namespace) -> int:
-    """The library's decode plan's ``fused_conv`` for the step with the conv (0: two launches)."""
+def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -> object:
+    """The library's decode plan for the step with the conv (its ``fused_conv``: 0 for two launches)."""
     from plan_args import build_plan
 
     return build_plan(batch=batch, heads=hv, state=state, layout=args.layout, ring_length=args.ring_length,
-                      advance=args.fused, cursor_table=True, conv_kernel_size=args.conv_size).fused_conv
+                      advance=args.fused, cursor_table=True, conv_kernel_size=args.conv_size)
+
+
+def library_fused_conv(hv: int, batch: int, state: str, args: argparse.Namespace) -> int:
+    """The library's decode plan's ``fused_conv`` for the step with the conv (0: two launches)."""
+    return library_plan(hv, batch, state, args).fused_conv
 
 
 def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: int, bw: float) -> list[dict]:
@@ -257,7 +262,8 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
 
     rows = []
     for v in args.variants:
-        row = dict(shape, variant=v, plan=str(plans.get(v, two_launch)), **checks.get(v, checks["once"]))
+        plan = plans[v] if v in plans else library_plan(hv, batch, state, args)
+        row = dict(shape, variant=v, plan=str(plan), **checks.get(v, checks["once"]))
         row["conv_decode_us"] = with_conv[v]
         row["added_us"] = row["conv_decode_us"] - row["decode_us"]
         row["added_pct"] = 100.0 * row["added_us"] / row["decode_us"]

@@ -356,8 +356,8 @@ def gpu_pools(H: int, HV: int, B: int, state: torch.dtype) -> tuple[list[ReplayS
                                           (32, 32, 8, torch.float32)])
 def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype) -> None:
     """On CUDA, a full ring cycle and a flush of two layers (the fused advance on the last): the fused launch (the
-    library's plan) and the two launches (its plan with fused_conv=0) on twin pools agree: windows, cursors and rings
-    bit for bit, outputs and checkpoints within bf16 rounding; the other windows keep their sentinels; bad rows are
+    library's plan) and the two launches (its plan with fused_conv=0) on twin pools agree: windows and cursors bit for
+    bit, outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are
     zero and recorded once."""
     pools, slots = gpu_pools(H, HV, B, state)
     D = pools[0].conv_channels
@@ -376,10 +376,11 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
                              conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], None),
                                                                                        (pools[1], two))]
             torch.testing.assert_close(outs[0].double(), outs[1].double(), rtol=1e-2, atol=1e-2)
-            for name in ("conv_state", "cursors", "d_cache", "k_cache", "g_cache"):
+            for name in ("conv_state", "cursors"):
                 assert torch.equal(getattr(pools[0], name), getattr(pools[1], name)), (step, layer, name)
-            torch.testing.assert_close(pools[0].checkpoint.double(), pools[1].checkpoint.double(), rtol=1e-2,
-                                       atol=1e-2)
+            for name in ("checkpoint", "d_cache", "k_cache", "g_cache"):  # (two compiles of the same math: ptxas may
+                torch.testing.assert_close(getattr(pools[0], name).double(),  # contract other products into FMAs)
+                                           getattr(pools[1], name).double(), rtol=1e-2, atol=1e-2)
             if B > 2:
                 for r in (0, 1, B - 1, B // 2):
                     assert (outs[0][r] == 0).all(), (step, layer, r)

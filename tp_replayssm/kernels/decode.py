@@ -52,7 +52,7 @@ def replayssm_decode_kernel(
     conv_w: torch.Tensor,  # fused_conv: the taps weight[d, i] at element d*cw_d + i*cw_i of this flat view
     conv_b: torch.Tensor,  # fused_conv with conv_has_bias: [D] the bias
     conv_counters: torch.Tensor,  # fused_conv == 2: [(S + 1) * H] int32, zero between launches
-    vpost3: torch.Tensor,  # fused_conv: [B, HV, V] a view of out3's memory that holds the post-conv v until the outputs
+    vpost3: torch.Tensor,  # fused_conv: [B, HV, V] out3's memory again: the chunk loops read the post-conv v there
     num_slots: int,  # S: a row whose slot is >= S is refused
     cv_base: int,  # fused_conv: the layer's first window row, and the window element stride of a slot
     cv_s: int,
@@ -212,8 +212,10 @@ def replayssm_decode_kernel(
                         k_post = conv_output(k_u, k_w, None, on_gpu)
                         v_post = conv_output(v_u, v_w, None, on_gpu)
                     # the post-conv values in the activation dtype, as the conv's own launch would hand them over;
-                    # v in out3's rows of this tile until the chunk loops read it (and overwrite it with the outputs)
-                    vpost3[row, hv, tv] = v_post.to(vpost3.dtype)
+                    # v in out3's rows of this tile until the chunk loops read it through vpost3 (and overwrite it
+                    # with the outputs): Helion puts a CTA barrier before every load of a tensor the program stores,
+                    # and the loops load vpost3, which it never stores (the barrier below orders the two)
+                    out3[row, hv, tv] = v_post.to(out3.dtype)
                     hl.inline_triton("tl.debug_barrier()", [], None)  # the window reads and the v rows, ordered
                     shifted = (ci >= 1) & (ci < conv_size)
                     to_col = torch.where(shifted, ci - 1, 0)
