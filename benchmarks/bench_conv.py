@@ -29,6 +29,7 @@ step on a twin pool; a failed check prints ``WRONG`` and the script exits 1.
 
     python benchmarks/bench_conv.py --out conv.json                 # HV 4, 8, 32 x B 1, 8, 32, 128, 512, both states
     python benchmarks/bench_conv.py --shapes 8x8,32x128 --state bf16 --variant taps,once,lib
+    python benchmarks/bench_conv.py --shapes 8x8 --state bf16 --variant lib --lib-override value_tile=128  # mode 1
     python benchmarks/bench_conv.py --dry-run                       # shapes, byte floors, launch plans; any machine
 """
 
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-bias", action="store_true", help="a conv without bias")
     p.add_argument("--fused", action="store_true", help="the advance fused into the decode (else decode + advance)")
     p.add_argument("--variant", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--lib-override", default="", help="DecodePlan fields of the lib variant's plan, e.g. "
+                                                      "'value_tile=128' (benchmarks/plan_args.py --override)")
     p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
     p.add_argument("--max-calls", type=int, default=8192, help="conv_update calls in the conv-alone graph, at most")
     p.add_argument("--copy-mb", type=int, default=1024, help="size of the bandwidth copy")
@@ -191,11 +194,13 @@ def two_launch_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -
 
 
 def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -> object:
-    """The library's decode plan for the step with the conv (its ``fused_conv``: 0 for two launches)."""
+    """The decode plan of the ``lib`` variant: the library's for the step with the conv (its ``fused_conv``: 0 for two
+    launches), with ``--lib-override`` applied."""
     from plan_args import build_plan
 
     return build_plan(batch=batch, heads=hv, state=state, layout=args.layout, ring_length=args.ring_length,
-                      advance=args.fused, cursor_table=True, conv_kernel_size=args.conv_size)
+                      advance=args.fused, cursor_table=True, conv_kernel_size=args.conv_size,
+                      override=args.lib_override)
 
 
 def library_fused_conv(hv: int, batch: int, state: str, args: argparse.Namespace) -> int:
@@ -234,17 +239,20 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
     slot_sets = [ids[i * batch:(i + 1) * batch].clone() for i in range(sets)]
     plans = conv_plans(batch, D, W, sms)
     two_launch = two_launch_plan(hv, batch, state, args)
+    lib = library_plan(hv, batch, state, args) if args.lib_override else None  # None: the pool's own choice
     shape = dict(hv=hv, batch=batch, state=state, layout=args.layout, L=L, W=W, D=D, fused=fused, sets=sets,
                  **floors(hv, batch, W, bias is not None, bw))
     checks = {form: check_conv(pool, x, weight, bias, slot_sets[0], plans[form]) for form in ("taps", "once")}
     if "lib" in args.variants:  # the library's step against the two-launch step, on a twin pool
-        checks["lib"] = check_step(pool, kw, heads, x, a, b, A_log, dt_bias, weight, bias, slot_sets[0], two_launch,
-                                   fused)
+        checks["lib"] = check_step(pool, kw, heads, x, a, b, A_log, dt_bias, weight, bias, slot_sets[0], lib,
+                                   two_launch, fused)
 
     def step(slots: torch.Tensor, variant: str | None) -> None:
         conv = {} if variant is None else dict(conv_weight=weight, conv_bias=bias)
         if variant in ("taps", "once"):
             conv.update(plan=two_launch, conv_plan=plans[variant])
+        elif variant == "lib" and lib is not None:
+            conv.update(plan=lib)
         pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=fused, **conv)
         if not fused:
             pool.advance(slots)
@@ -282,9 +290,10 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
 
 
 def check_step(pool: object, kw: dict, heads: object, x: object, a: object, b: object, A_log: object,
-               dt_bias: object, weight: object, bias: object, slots: object, two_launch: object, fused: bool) -> dict:
-    """One step of the library's plan on ``pool`` and of the two-launch plan on a twin with the same state: outputs
-    within bf16 rounding, windows bit for bit (then the pool's state is as before)."""
+               dt_bias: object, weight: object, bias: object, slots: object, lib: object, two_launch: object,
+               fused: bool) -> dict:
+    """One step of the ``lib`` plan (None: the library's) on ``pool`` and of the two-launch plan on a twin with the
+    same state: outputs within bf16 rounding, windows bit for bit (then the pool's state is as before)."""
     import torch
 
     from tp_replayssm import ReplaySSMStatePool
@@ -295,7 +304,7 @@ def check_step(pool: object, kw: dict, heads: object, x: object, a: object, b: o
     saved = {n: getattr(pool, n).clone() for n in names}
     for n in names:
         getattr(twin, n).copy_(saved[n])
-    y = pool.decode(0, x, a, b, A_log, dt_bias, slots, advance=fused, conv_weight=weight, conv_bias=bias)
+    y = pool.decode(0, x, a, b, A_log, dt_bias, slots, advance=fused, conv_weight=weight, conv_bias=bias, plan=lib)
     want = twin.decode(0, x, a, b, A_log, dt_bias, slots, advance=fused, conv_weight=weight, conv_bias=bias,
                        plan=two_launch, conv_plan=conv_plans(slots.shape[0], pool.conv_channels,
                                                              pool.conv_kernel_size, 132)["once"])
