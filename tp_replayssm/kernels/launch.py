@@ -56,7 +56,7 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
             ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
             use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound, conv_kernel_size=W)
         plan.check(problem, device_code=kernel)
-    if conv is not None and (not kernel or plan is None or not plan.fused_conv):
+    if conv is not None and (not kernel or (plan is not None and not plan.fused_conv)):
         raise ValueError(f"{where}: a fused conv runs in the kernel with a plan that fuses it (plan.fused_conv)")
     if dims.batch == 0:
         return dims
@@ -66,7 +66,8 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
         decode_rows(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance, guard=guard)
         return dims
     if plan is None:
-        plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance)
+        plan = plan_for(call, dims, ring_layout=ring_layout, cursor_table=cursor_table, advance=advance,
+                        conv_kernel_size=W)
     launch_decode(call, dims, plan, guard or spare_guard(device), conv)
     return dims
 

@@ -149,6 +149,7 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
                          device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,
                          use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound,
                          conv_kernel_size=pool.conv_kernel_size)
+    given = plan
     if plan is not None:
         plan.check(problem, device_code=kernel)
     elif kernel:
@@ -161,8 +162,8 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
         if counters is None:  # made on the first fused call (warm-up, before any graph capture): zero between launches
             counters = pool.conv_counters = torch.zeros((pool.num_slots + 1) * pool.local_heads.num_q_heads,
                                                         dtype=torch.int32, device=pool.device)
-        run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=plan, guard=guard,
-                   where=where, conv=FusedConv(pool.conv_state, layer, weight, bias, counters))
+        run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=given, guard=guard,
+                   where=where, conv=FusedConv(pool.conv_state, layer, weight, bias, counters))  # (None: the same plan)
         return
     if plan is not None:
         plan = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
