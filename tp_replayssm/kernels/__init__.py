@@ -4,7 +4,8 @@
   that decides how a decode launch is compiled), :mod:`.args` (its arguments, each tagged with the input it views),
   :mod:`.launch` (``run_decode``, the entry of every decode: validate, choose the path, plan, launch).
 - :mod:`.cursor`: the pool's cursor advance kernel (and its torch form).
-- :mod:`.conv`: the short causal convolution over a slot's window.
+- :mod:`.conv` (with :mod:`.conv_once`, :mod:`.conv_plan`, :mod:`.conv_math`): the short causal convolution over a
+  slot's window, in a launch of its own; the decode kernel runs the same math itself where its plan fuses it.
 - :mod:`.fork`: the pool's fork (slots become byte copies of others, every layer) in one launch.
 - :mod:`.verify` (with :mod:`.verify_plan`, :mod:`.verify_args`, :mod:`.verify_launch`) and :mod:`.commit`:
   speculative decoding's verify of T drafts and the commit of the accepted ones.
