@@ -50,7 +50,8 @@ for _path in (REPO, REPO / "benchmarks"):  # the package; plan_args
 
 STANDARD = ",".join(f"{hv}x{b}" for hv in (4, 8, 32) for b in (1, 8, 32, 128, 512))  # HVxB
 TARGET_PCT, TARGET_SMALL_US = 5.0, 0.5  # the conv may add this much at B >= 32, resp. B <= 8
-VARIANTS = ("taps", "once", "lib")  # the conv in a launch of its own in each form; the library's plan
+VARIANTS = ("taps", "once", "lib", "fused")  # the conv in a launch of its own in each form; the library's plan; the
+# conv fused into the decode launch (plan_decode(..., fuse_conv=True))
 MAX_ALONE_SLOTS = 16384  # slots of the conv-alone pool, at most
 K = V = 128
 
@@ -193,14 +194,14 @@ def two_launch_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -
                       override={"fused_conv": 0})
 
 
-def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -> object:
+def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace, fuse_conv: bool = False) -> object:
     """The decode plan of the ``lib`` variant: the library's for the step with the conv (its ``fused_conv``: 0 for two
-    launches), with ``--lib-override`` applied."""
+    launches), with ``--lib-override`` applied; with ``fuse_conv`` the ``fused`` variant's."""
     from plan_args import build_plan
 
     return build_plan(batch=batch, heads=hv, state=state, layout=args.layout, ring_length=args.ring_length,
                       advance=args.fused, cursor_table=True, conv_kernel_size=args.conv_size,
-                      override=args.lib_override)
+                      override=args.lib_override, fuse_conv=fuse_conv)
 
 
 def library_fused_conv(hv: int, batch: int, state: str, args: argparse.Namespace) -> int:
@@ -240,12 +241,16 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
     plans = conv_plans(batch, D, W, sms)
     two_launch = two_launch_plan(hv, batch, state, args)
     lib = library_plan(hv, batch, state, args) if args.lib_override else None  # None: the pool's own choice
+    fused_plan = library_plan(hv, batch, state, args, fuse_conv=True)
     shape = dict(hv=hv, batch=batch, state=state, layout=args.layout, L=L, W=W, D=D, fused=fused, sets=sets,
                  **floors(hv, batch, W, bias is not None, bw))
     checks = {form: check_conv(pool, x, weight, bias, slot_sets[0], plans[form]) for form in ("taps", "once")}
     if "lib" in args.variants:  # the library's step against the two-launch step, on a twin pool
         checks["lib"] = check_step(pool, kw, heads, x, a, b, A_log, dt_bias, weight, bias, slot_sets[0], lib,
                                    two_launch, fused)
+    if "fused" in args.variants:
+        checks["fused"] = check_step(pool, kw, heads, x, a, b, A_log, dt_bias, weight, bias, slot_sets[0],
+                                     fused_plan, two_launch, fused)
 
     def step(slots: torch.Tensor, variant: str | None) -> None:
         conv = {} if variant is None else dict(conv_weight=weight, conv_bias=bias)
@@ -253,6 +258,8 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
             conv.update(plan=two_launch, conv_plan=plans[variant])
         elif variant == "lib" and lib is not None:
             conv.update(plan=lib)
+        elif variant == "fused":
+            conv.update(plan=fused_plan)
         pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=fused, **conv)
         if not fused:
             pool.advance(slots)
@@ -270,7 +277,7 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
 
     rows = []
     for v in args.variants:
-        plan = plans[v] if v in plans else library_plan(hv, batch, state, args)
+        plan = plans[v] if v in plans else library_plan(hv, batch, state, args, fuse_conv=v == "fused")
         row = dict(shape, variant=v, plan=str(plan), **checks.get(v, checks["once"]))
         row["conv_decode_us"] = with_conv[v]
         row["added_us"] = row["conv_decode_us"] - row["decode_us"]

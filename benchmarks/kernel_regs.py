@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", choices=("predecayed", "sglang"), default="predecayed")
     ap.add_argument("--lower-bound", action="store_true", help="a bounded gate (lower_bound = -5)")
     ap.add_argument("--advance", action="store_true", help="the fused cursor advance")
-    ap.add_argument("--conv", type=int, default=0, help="pre-conv q/k/v with the pool's conv of this W (the plan "
-                                                          "fuses it; --override fused_conv=0 does not)")
+    ap.add_argument("--conv", type=int, default=0, help="pre-conv q/k/v with the pool's conv of this W, fused into "
+                                                          "the launch (plan_decode(..., fuse_conv=True))")
     ap.add_argument("--override", default="", help="plan fields to replace, e.g. 'value_tile=64,vector_tiles=0'")
     ap.add_argument("--kernel", default=None, help="a .py file whose replayssm_decode_kernel replaces the library's")
     args = ap.parse_args(argv)
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
 
     plan = build_plan(batch=args.batch, heads=args.heads, state=args.state, layout=args.layout,
                       lower_bound=-5.0 if args.lower_bound else None, advance=args.advance, override=args.override,
-                      conv_kernel_size=args.conv, cursor_table=True if args.conv else None)
+                      conv_kernel_size=args.conv, cursor_table=True if args.conv else None,
+                      fuse_conv=bool(args.conv))
     kernel_fn = None
     if args.kernel:
         import importlib.util

@@ -72,13 +72,14 @@ def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int 
                          lower_bound is not None, bounded, conv_kernel_size)
 
 
-def build_plan(*, override: str | dict[str, Any] = "", **problem_kwargs: Any) -> Any:
-    """The library's plan for ``problem(**problem_kwargs)`` with ``override`` applied and checked."""
+def build_plan(*, override: str | dict[str, Any] = "", fuse_conv: bool = False, **problem_kwargs: Any) -> Any:
+    """The library's plan for ``problem(**problem_kwargs)`` (with the conv fused into the launch where it can be,
+    ``fuse_conv``) with ``override`` applied and checked."""
     from tp_replayssm.kernels.plan import plan_decode
 
     prob = problem(**problem_kwargs)
     changes = override_arg(override) if isinstance(override, str) else dict(override)
-    plan = dataclasses.replace(plan_decode(prob), **changes)
+    plan = dataclasses.replace(plan_decode(prob, fuse_conv=fuse_conv), **changes)
     plan = dataclasses.replace(plan, **_derived(prob, plan, changes))
     plan.check(prob)
     return plan

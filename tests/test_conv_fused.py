@@ -41,29 +41,30 @@ def problem(batch: int, H: int, HV: int, *, state: torch.dtype = torch.bfloat16,
 def test_the_plan_fuses_the_conv_where_it_can() -> None:
     """Mode 1 where one program reads a q/k head's windows (H = HV, one value tile), mode 2 with the reader count
     otherwise (value tiles, GQA); no fusion without a window, off the cursor table, with a non-power-of-two K, or
-    without the conv."""
-    p = plan_decode(problem(128, 32, 32))  # HV32 B128: 128-row tiles
+    without the conv. The library's plan fuses only when asked (``fuse_conv=True``)."""
+    assert plan_decode(problem(128, 32, 32)).fused_conv == 0 and plan_decode(problem(8, 8, 8)).fused_conv == 0
+    p = plan_decode(problem(128, 32, 32), fuse_conv=True)  # HV32 B128: 128-row tiles
     assert (p.value_tile, p.fused_conv, p.conv_readers) == (128, 1, 0)
-    p = plan_decode(problem(8, 8, 8))  # HV8 B8: 16-row tiles, 8 per head
+    p = plan_decode(problem(8, 8, 8), fuse_conv=True)  # HV8 B8: 16-row tiles, 8 per head
     assert (p.value_tile, p.fused_conv, p.conv_readers) == (16, 2, 8)
-    p = plan_decode(problem(128, 2, 8))  # GQA: 4 value heads per q/k head
+    p = plan_decode(problem(128, 2, 8), fuse_conv=True)  # GQA: 4 value heads per q/k head
     assert p.fused_conv == 2 and p.conv_readers == 4 * -(-128 // p.value_tile)
-    assert plan_decode(problem(8, 8, 8, conv=0)).fused_conv == 0
-    assert plan_decode(problem(8, 8, 8, conv=1)).fused_conv == 0  # no window: the conv's own launch
-    assert plan_decode(problem(8, 8, 8, key_dim=96)).fused_conv == 0
+    assert plan_decode(problem(8, 8, 8, conv=0), fuse_conv=True).fused_conv == 0
+    assert plan_decode(problem(8, 8, 8, conv=1), fuse_conv=True).fused_conv == 0  # no window: the conv's own launch
+    assert plan_decode(problem(8, 8, 8, key_dim=96), fuse_conv=True).fused_conv == 0
     no_table = dataclasses.replace(problem(8, 8, 8), cursor_table=False)
-    assert not fusable(no_table) and plan_decode(no_table).fused_conv == 0
+    assert not fusable(no_table) and plan_decode(no_table, fuse_conv=True).fused_conv == 0
     assert conv_readers(problem(8, 2, 8), 32) == 16
     for prob in (problem(1, 4, 4), problem(512, 32, 32, state=torch.float32), problem(8, 16, 16, advance=True),
                  problem(8, 8, 8, layout="sglang"), problem(4, 1, 2, device="cpu", key_dim=16, value_dim=16)):
-        plan = plan_decode(prob)
+        plan = plan_decode(prob, fuse_conv=True)
         assert plan.fused_conv in (1, 2)
         plan.check(prob)
 
 
 def test_plan_check_refuses_a_fused_conv_the_call_cannot_run() -> None:
     prob = problem(8, 8, 8)
-    plan = plan_decode(prob)
+    plan = plan_decode(prob, fuse_conv=True)
     with pytest.raises(ValueError, match="`fused_conv` 2 needs a pre-conv call with a window"):
         plan.check(problem(8, 8, 8, conv=0))
     with pytest.raises(ValueError, match="`fused_conv` 1 needs one program per"):
@@ -75,7 +76,8 @@ def test_plan_check_refuses_a_fused_conv_the_call_cannot_run() -> None:
     with pytest.raises(ValueError, match="`fused_conv` must be 0, 1 or 2; got 5"):
         dataclasses.replace(plan, fused_conv=5).check(prob)
     dataclasses.replace(plan, fused_conv=0, conv_readers=0).check(prob)  # two launches: always allowed
-    dataclasses.replace(plan_decode(problem(128, 32, 32)), fused_conv=2, conv_readers=1).check(problem(128, 32, 32))
+    big = problem(128, 32, 32)
+    dataclasses.replace(plan_decode(big, fuse_conv=True), fused_conv=2, conv_readers=1).check(big)
 
 
 # ---- the kernel in Triton's interpreter ---------------------------------------------------------
@@ -107,7 +109,7 @@ def plan_of(pool: ReplaySSMStatePool, batch: int, advance: bool):  # noqa: ANN20
     lh = pool.local_heads
     return plan_decode(DecodeProblem(batch, lh.num_q_heads, lh.num_v_heads, K, V, L, pool.checkpoint.dtype,
                                      pool.cache_dtype, "cpu", H200_SMS, pool.ring_layout, True, advance, True, False,
-                                     False, 4))
+                                     False, 4), fuse_conv=True)
 
 
 def fused_and_two_launch_steps(H: int, HV: int, state: torch.dtype, slots: list[int], *, steps: int = L + 1,
@@ -237,7 +239,7 @@ def test_fused_bad_rows_in_the_interpreter(interpreter: None) -> None:
         out = torch.full((8, 1, 2, V), float("nan"), dtype=torch.bfloat16)
         with use_cpu_backend("interpreter"):
             pool.decode(1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, torch.tensor(ids, dtype=torch.int32),
-                        conv_weight=weight, conv_bias=bias, advance=True, out=out)
+                        conv_weight=weight, conv_bias=bias, advance=True, out=out, plan=plan_of(pool, 8, True))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and (outs[0][1:6] == 0).all()
     for name in STATE_TENSORS:
@@ -285,7 +287,7 @@ out = []
 for batch, hv, state, advance in ((8, 8, "bf16", False), (128, 32, "bf16", False), (128, 32, "bf16", True),
                                   (512, 32, "fp32", False), (1, 4, "bf16", False), (8, 32, "fp32", True)):
     plan = build_plan(batch=batch, heads=hv, state=state, layout="predecayed", advance=advance, cursor_table=True,
-                      conv_kernel_size=4)
+                      conv_kernel_size=4, fuse_conv=True)
     r = kernel_resources(plan, state, with_sass=True)
     ins = parse(r.pop("sass"))
     first_exit = next(a for a, t in ins if t.split()[-1] == "EXIT")
@@ -356,8 +358,8 @@ def gpu_pools(H: int, HV: int, B: int, state: torch.dtype) -> tuple[list[ReplayS
                                           (32, 32, 8, torch.float32)])
 def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype) -> None:
     """On CUDA, a full ring cycle and a flush of two layers (the fused advance on the last): the fused launch (the
-    library's plan) and the two launches (its plan with fused_conv=0) on twin pools agree: windows and cursors bit for
-    bit, outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are
+    plan with ``fuse_conv=True``) and the two launches (that plan with fused_conv=0) on twin pools agree: windows and
+    cursors bit for bit, outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are
     zero and recorded once."""
     pools, slots = gpu_pools(H, HV, B, state)
     D = pools[0].conv_channels
@@ -369,11 +371,11 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
         for layer in range(2):
             x = random_decode_inputs(B, H, HV, 128, 128, dtype=torch.bfloat16, device="cuda",
                                      generator=torch.Generator().manual_seed(step * 2 + layer))
-            plan = plan_decode(problem(B, H, HV, state=state, advance=layer == 1))
+            plan = plan_decode(problem(B, H, HV, state=state, advance=layer == 1), fuse_conv=True)
             assert plan.fused_conv
             two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
             outs = [p.decode(layer, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots, conv_weight=weight,
-                             conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], None),
+                             conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], plan),
                                                                                        (pools[1], two))]
             torch.testing.assert_close(outs[0].double(), outs[1].double(), rtol=1e-2, atol=1e-2)
             for name in ("conv_state", "cursors"):
@@ -395,7 +397,7 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
 
 @pytest.mark.gpu
 def test_fused_graph_replay_with_a_bad_row() -> None:
-    """A CUDA graph of a fused step (both layers, the fused advance on the last) captured with good slots and replayed
+    """A CUDA graph of a step with the conv (the library's plan; both layers, the fused advance on the last) captured with good slots and replayed
     with a free slot in the slot buffer: the replay runs, the bad row is zero and changes nothing, check() reports it;
     the good rows equal an eager twin's bit for bit."""
     pools, _ = gpu_pools(8, 8, 8, torch.bfloat16)

@@ -20,6 +20,7 @@ import torch
 
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.kernels import fork as fk
+from tp_replayssm.kernels.guard import RECORDED_ROWS
 from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.kernels.guard import FREE_CURSOR
 from tp_replayssm.pool import lifecycle
@@ -58,11 +59,22 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def recorded(errors: torch.Tensor) -> tuple[list[int], list[tuple[int, int]]]:
+    """An error record as (its counts, its recorded (row, slot) pairs sorted): the kernel's programs record in the
+    order they run, which only the interpreter makes the row order."""
+    e = errors.tolist()
+    pairs = sorted((e[4 + 2 * i], e[5 + 2 * i]) for i in range(min(e[1], RECORDED_ROWS)))
+    return e[:3], pairs
+
+
 def assert_twins(pool: ReplaySSMStatePool, twin: ReplaySSMStatePool, what: str) -> None:
     for name in TENSORS:
         a, b = getattr(pool, name), getattr(twin, name)
         if a is None:
             assert b is None
+            continue
+        if name == "slot_errors":
+            assert recorded(a) == recorded(b), f"{what}: the error records differ: {a.tolist()} / {b.tolist()}"
             continue
         assert torch.equal(bits(a), bits(b)), f"{what}: {name} differs between the kernel and the torch ops"
 

@@ -51,7 +51,9 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
           parents: list[list[int]] | None, tol: float, exact_tol: float, a_shift: float = 0.0) -> None:
     """The kernel (interpreter) against the torch path on a twin (outputs within ``tol``, pool tensors within a bf16
     step), and against float64 along the draft paths from the pool's state (within ``exact_tol``)."""
-    assert verify_plan.tensor_core_refusal(_problem(pool, len(slots), T, parents is not None)) == ""
+    problem = _problem(pool, len(slots), T, parents is not None, model.lower_bound)
+    assert verify_plan.tensor_core_refusal(problem) == ""
+    plan = verify_plan.plan_verify(problem, tensor_cores=True)
     unused = pool.num_slots - 1
     _sentinel(pool, unused)
     before = {n: getattr(pool, n)[:, unused].clone() for n in ("checkpoint", "d_cache", "k_cache", "g_cache")}
@@ -64,7 +66,7 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
     t = torch.tensor(slots, dtype=torch.int32)
     par = None if parents is None else torch.tensor(parents, dtype=torch.int32)
     with use_cpu_backend("interpreter"):
-        out = _verify(pool, model, drafts, t, par)
+        out = _verify(pool, model, drafts, t, par, plan)
     with use_cpu_backend("torch"):
         want = _verify(twin, model, drafts, t, par)
     assert torch.isfinite(out).all(), "an output was left unwritten"
@@ -84,11 +86,13 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
         assert torch.equal(getattr(pool, name)[:, unused], saved), f"{name} of the unused slot changed"
 
 
-def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool) -> verify_plan.VerifyProblem:
+def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
+             lower_bound: float | None = None) -> verify_plan.VerifyProblem:
     lh = pool.local_heads
+    bounded = lower_bound is not None and (pool.ring_length - 1) * abs(lower_bound) <= 75
     return verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
                                      pool.ring_length, pool.state_dtype, pool.cache_dtype, "cpu", 132,
-                                     pool.ring_layout, tree, True, False, False)
+                                     pool.ring_layout, tree, True, lower_bound is not None, bounded)
 
 
 @on_cpu_machine
@@ -136,10 +140,11 @@ def test_mma_verify_rebase() -> None:
 
 
 def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
-    """Pre-decayed bf16 rings, power-of-two widths and at most 15 drafts take the tensor-core form; the sglang
-    layout, fp32 rings and 16 drafts the CUDA-core one, with the reason; a plan that cannot run a call is refused."""
+    """A bf16 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the tensor-core
+    form (an fp32 checkpoint on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one, with the
+    reason; a plan that cannot run a call is refused."""
     base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
-                state_dtype=torch.float32, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
+                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
     plan = verify_plan.plan_verify(verify_plan.VerifyProblem(**base))
     assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 16 and plan.columns == 16
@@ -157,21 +162,23 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
         with pytest.raises(ValueError, match="tensor-core form cannot run"):
             verify_plan.plan_verify(problem, tensor_cores=True)
     assert not verify_plan.plan_verify(verify_plan.VerifyProblem(**base), tensor_cores=False).tensor_cores
+    fp32 = verify_plan.VerifyProblem(**{**base, "state_dtype": torch.float32})
+    assert not verify_plan.plan_verify(fp32).tensor_cores
+    assert verify_plan.plan_verify(fp32, tensor_cores=True).tensor_cores
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "drafts": 9})).columns == 32
 
 
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=[None, False], ids=["tensor-cores", "cuda-cores"])
-def verify_form(request: pytest.FixtureRequest) -> bool | None:
-    """The verify form a test's calls take: ``tensor_cores`` of :func:`verify_plan.plan_verify` (None: the plan's
-    choice, the tensor-core form where the call allows it)."""
+@pytest.fixture(params=[True, False], ids=["tensor-cores", "cuda-cores"])
+def verify_form(request: pytest.FixtureRequest) -> bool:
+    """The verify form a test's calls take: ``tensor_cores`` of :func:`verify_plan.plan_verify`."""
     return request.param
 
 
 def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
-               tensor_cores: bool | None) -> verify_plan.VerifyPlan:
+               tensor_cores: bool) -> verify_plan.VerifyPlan:
     lh = pool.local_heads
     problem = verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
                                         pool.ring_length, pool.state_dtype, pool.cache_dtype, pool.device.type,
@@ -183,7 +190,7 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
 @pytest.mark.gpu
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_both_verify_forms_match_reference(verify_form: bool | None, state: torch.dtype, tree: bool) -> None:
+def test_gpu_both_verify_forms_match_reference(verify_form: bool, state: torch.dtype, tree: bool) -> None:
     """Both verify forms at K = V = 128, L = 16, T = 4, HV = 16 over B = 24 rows (padding rows among them), over
     steps that cross every fold phase, against the reference on CPU copies: outputs, every pool tensor after the
     commit, read_state."""
@@ -201,7 +208,7 @@ def test_gpu_both_verify_forms_match_reference(verify_form: bool | None, state: 
     parents = torch.tensor([[-1, 0, 0, 1]] * batch, dtype=torch.int32, device="cuda") if tree else None
     live = [r for r, s in enumerate(slots) if s >= 0]
     plan = _form_plan(pool, batch, T, tree, verify_form)
-    assert plan.tensor_cores == (verify_form is None), plan
+    assert plan.tensor_cores == verify_form, plan
     for step in range(6):
         ref = _to(pool, "cpu")
         drafts = random_drafts(pool, batch, T, gen, dtype=torch.bfloat16)

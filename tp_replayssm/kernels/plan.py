@@ -319,8 +319,11 @@ def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_decode(problem: DecodeProblem) -> DecodePlan:
-    """The launch plan of ``problem`` (module docstring; each rule's measurement is in docs/tuning.md)."""
+def plan_decode(problem: DecodeProblem, *, fuse_conv: bool = False) -> DecodePlan:
+    """The launch plan of ``problem`` (module docstring; each rule's measurement is in docs/tuning.md). With
+    ``fuse_conv`` the plan runs the pool's conv in the decode launch wherever :func:`fusable` (:func:`fused_conv_mode`);
+    by default a decode with the conv takes two launches (the conv's, then the decode's): the fused launch is checked
+    in the interpreter and compiled for sm_90, and opt-in until it is timed on the GPU (docs/conv.md)."""
     if problem.advance and not problem.cursor_table:
         raise ValueError("replayssm_decode: the fused advance needs the pool's cursor table [S + 1]")
     vt, chunk, warps, maxnreg, mma, evict = _grid(problem)
@@ -330,7 +333,7 @@ def plan_decode(problem: DecodeProblem) -> DecodePlan:
         mode = 1  # no rebase can happen: the check is compiled out
     else:
         mode = 3 if maxnreg is not None else 2  # under the register cap the flush branch's choice spilled
-    fused, readers = fused_conv_mode(problem, vt)
+    fused, readers = fused_conv_mode(problem, vt) if fuse_conv else (0, 0)
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
