@@ -23,7 +23,7 @@ import torch
 
 from tp_replayssm import KDAHeads, PlacementError, PoolExhaustedError, ReplaySSMStatePool, SlotError
 from tp_replayssm import reference
-from tp_replayssm.pool import pool as pool_module
+from tp_replayssm.pool import step as pool_module  # (the pool delegates its decode here)
 from tp_replayssm.pool.memory import pool_memory, slots_that_fit
 from tp_replayssm.pool.pool import DEBUG_ENV
 from tp_replayssm.testing import PlainKDA, random_decode_inputs, random_head_params, rel_err

@@ -41,23 +41,20 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..kernels import cursor
-from ..kernels.launch import run_decode
-from ..kernels.conv_plan import ConvPlan
-from ..kernels.plan import DecodePlan
+from ..errors import SlotError
+from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, describe_record
 from ..tp import placement
 from ..tp.devices import resolve_device
 from ..tp.heads import HeadShard, KDAHeads, shard_heads
-from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
-from . import conv, lifecycle, spec, state
+from . import conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
-from ..errors import SlotError
-from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, describe_record
+from .slots import SlotTable, debug_check, host_ids, is_int
+
 if TYPE_CHECKING:
+    from ..kernels.conv_plan import ConvPlan
+    from ..kernels.plan import DecodePlan
     from ..kernels.verify_plan import VerifyPlan
-from .slots import (SlotTable, check_ids, host_ids,
-                    is_int, raise_slot_error)
 
 __all__ = ["LayerViews", "ReplaySSMStatePool"]
 
@@ -106,35 +103,10 @@ class ReplaySSMStatePool:
         conv_dtype: torch.dtype | None = None,
     ) -> None:
         where = "ReplaySSMStatePool"
-        if not isinstance(heads, KDAHeads):
-            raise ValueError(f"{where}: `heads` must be a tp_replayssm.KDAHeads; got {type(heads).__name__}")
-        for name, value in (("num_layers", num_layers), ("num_slots", num_slots), ("ring_length", ring_length)):
-            if not is_int(value) or value < 1:
-                raise ValueError(f"{where}: `{name}` must be a positive int; got {value!r}")
-        if ring_length >= FREE_CURSOR:
-            raise ValueError(f"{where}: `ring_length` must be below {FREE_CURSOR} (a free slot's cursor); got "
-                             f"{ring_length}")
-        if not is_int(conv_kernel_size) or conv_kernel_size < 0:
-            raise ValueError(f"{where}: `conv_kernel_size` must be a non-negative int (0: no conv state); got "
-                             f"{conv_kernel_size!r}")
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"{where}: `state_dtype` must be one of {list(STATE_DTYPES)}; got {state_dtype!r}")
-        if cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"{where}: `cache_dtype` must be one of {list(CACHE_DTYPES)}; got {cache_dtype!r}")
-        conv_dtype = cache_dtype if conv_dtype is None else conv_dtype
-        if conv_dtype not in CACHE_DTYPES:
-            raise ValueError(f"{where}: `conv_dtype` must be None or one of {list(CACHE_DTYPES)}; got {conv_dtype!r}")
-        if ring_layout not in RING_LAYOUTS:
-            raise ValueError(f"{where}: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
-        check_ring_layout(ring_layout, cache_dtype, f"{where} (ring_layout={ring_layout!r}; an fp16 cache needs "
-                                                    "ring_layout='sglang')")
-        if group is not None:
-            import torch.distributed as dist
-
-            tp_rank = dist.get_rank(group) if tp_rank is None else tp_rank
-            tp_size = dist.get_world_size(group) if tp_size is None else tp_size
-        tp_rank = 0 if tp_rank is None else tp_rank
-        tp_size = 1 if tp_size is None else tp_size
+        conv_dtype, tp_rank, tp_size = step.check_pool_args(
+            heads, num_layers=num_layers, num_slots=num_slots, ring_length=ring_length, state_dtype=state_dtype,
+            cache_dtype=cache_dtype, ring_layout=ring_layout, conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype,
+            tp_rank=tp_rank, tp_size=tp_size, group=group)
 
         self.heads = heads
         self.shard: HeadShard = shard_heads(heads, tp_size, tp_rank)
@@ -358,37 +330,13 @@ class ReplaySSMStatePool:
         None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
         would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
-        SiLU) runs first and advances the rows' windows (:meth:`conv_update`), fused into the decode launch where the
-        plan fuses it, else in a launch of its own (docs/conv.md).
+        SiLU) runs first and advances the rows' windows (:meth:`conv_update`): in a launch of its own, or fused into
+        the decode launch with a plan that fuses it (``plan_decode(problem, fuse_conv=True)``; docs/conv.md).
         ``plan`` replaces the library's launch plan, ``conv_plan`` the conv launch's (benchmarks, tests)."""
-        where = f"ReplaySSMStatePool.decode(layer={layer})"
-        self._check_layer(layer, "decode")
-        if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
-            out = torch.empty(mixed_qkv.shape[0], 1, self.local_heads.num_v_heads, self.local_heads.value_dim,
-                              dtype=mixed_qkv.dtype, device=self.device)
-        views = self._views[layer]
-        if not self._layer_checked[layer]:
-            inputs = {"mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias, "slots": slots,
-                      "force_flush": force_flush, "out": out}
-            tensors = {**views._asdict(), "cursors": self.cursors}
-            tensors.update({k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)})
-            self._check_placement(tensors, where)
-            self._layer_checked[layer] = True
-        check_ids(slots, where, self.device, (torch.int32,))
-        if self.debug:
-            self._debug_check(slots, where, allow_padding=True, unique=True)
-        call = DecodeCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, self.cursors, force_flush,
-                          use_qk_l2norm_in_kernel, lower_bound)
-        if conv_weight is not None:  # every check first (the conv moves the windows), then the conv and the decode
-            conv.decode_with_conv(self, layer, call, conv_weight, conv_bias, advance=bool(advance), plan=plan,
-                                  conv_plan=conv_plan, guard=self.guard("decode", layer), where=where)
-            return out
-        if conv_bias is not None or conv_plan is not None:
-            raise ValueError(f"{where}: `{'conv_bias' if conv_bias is not None else 'conv_plan'}` given without "
-                             f"`conv_weight`")
-        run_decode(call, ring_layout=self.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
-                   guard=self.guard("decode", layer), where=where)
-        return out
+        return step.decode(self, layer, mixed_qkv, a, b, A_log, dt_bias, slots, scale=scale,
+                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
+                           force_flush=force_flush, out=out, advance=advance, conv_weight=conv_weight,
+                           conv_bias=conv_bias, plan=plan, conv_plan=conv_plan)
 
     def advance(self, slots: torch.Tensor, force_flush: torch.Tensor | None = None) -> None:
         """Move the cursors once per model step, after every layer's :meth:`decode` of the step, with the same
@@ -397,17 +345,7 @@ class ReplaySSMStatePool:
         nothing; so do bad rows (a slot out of range, free, or named twice), which are recorded for :meth:`check`.
         No host sync, CUDA-graph capturable: on CUDA one kernel launch (:mod:`tp_replayssm.kernels.cursor`),
         elsewhere a few torch ops."""
-        where = "ReplaySSMStatePool.advance"
-        check_ids(slots, where, self.device, (torch.int32,))
-        B = slots.shape[0]
-        if force_flush is not None:
-            if not isinstance(force_flush, torch.Tensor) or tuple(force_flush.shape) != (B,) \
-                    or force_flush.dtype != torch.int32 or force_flush.device != self.device:
-                raise ValueError(f"{where}: `force_flush` must be None or an int32 tensor [B] = [{B}] on "
-                                 f"{self.device}; got {describe(force_flush)}")
-        if self.debug:
-            self._debug_check(slots, where, allow_padding=True, unique=False)
-        cursor.advance(self.cursors, slots, force_flush, self.ring_length, self.guard("advance"))
+        step.advance(self, slots, force_flush)
 
     # ---- speculative decoding: verify, then commit (pool/spec.py, docs/spec.md) -------------------
 
@@ -466,13 +404,5 @@ class ReplaySSMStatePool:
                              f"got {layer!r}")
 
     def _debug_check(self, slots: torch.Tensor, where: str, *, allow_padding: bool, unique: bool) -> None:
-        """Debug mode only (host sync): ids in range and allocated, optionally unique, cursors in [0, L-1]."""
-        ids = [int(i) for i in slots.tolist()]
-        problems = self._slots.problems(ids, allow_padding=allow_padding, unique=unique)
-        ok = [i for i in ids if self._slots.is_allocated(i)]
-        if ok:
-            cur = self.cursors[torch.tensor(ok, dtype=torch.long, device=self.device)].tolist()
-            off = {i: c for i, c in zip(ok, cur) if not 0 <= c <= self.ring_length - 1}
-            if off:
-                problems.append(f"cursors outside [0, L-1 = {self.ring_length - 1}]: {off}")
-        raise_slot_error(f"{where} (debug check)", problems)
+        """Debug mode only (host sync): :func:`tp_replayssm.pool.slots.debug_check`."""
+        debug_check(self, slots, where, allow_padding=allow_padding, unique=unique)

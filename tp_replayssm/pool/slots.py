@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import PoolExhaustedError, SlotError
 from ..validation import describe
 
-__all__ = ["SlotTable", "check_ids", "is_int"]
+if TYPE_CHECKING:
+    from .pool import ReplaySSMStatePool
+
+__all__ = ["SlotTable", "check_ids", "debug_check", "is_int"]
 
 
 def is_int(x: object) -> bool:
@@ -120,3 +124,18 @@ def host_ids(slots: object, where: str) -> list[int]:
 def raise_slot_error(where: str, problems: list[str]) -> None:
     if problems:
         raise SlotError(f"{where}: {'; '.join(problems)}")
+
+
+def debug_check(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, allow_padding: bool,
+                unique: bool) -> None:
+    """Debug mode only (host sync): ``slots`` in range and allocated, optionally unique, their cursors in
+    ``[0, L-1]``; ``SlotError`` naming the call otherwise."""
+    ids = [int(i) for i in slots.tolist()]
+    problems = pool._slots.problems(ids, allow_padding=allow_padding, unique=unique)
+    ok = [i for i in ids if pool._slots.is_allocated(i)]
+    if ok:
+        cur = pool.cursors[torch.tensor(ok, dtype=torch.long, device=pool.device)].tolist()
+        off = {i: c for i, c in zip(ok, cur) if not 0 <= c <= pool.ring_length - 1}
+        if off:
+            problems.append(f"cursors outside [0, L-1 = {pool.ring_length - 1}]: {off}")
+    raise_slot_error(f"{where} (debug check)", problems)
