@@ -54,7 +54,7 @@ def main() -> None:
     from tp_replayssm.testing import random_decode_inputs, random_head_params
     from tp_replayssm.tp import distributed, placement
 
-    pool_module = importlib.import_module("tp_replayssm.pool.pool")  # the module whose run_decode the pool calls
+    pool_module = importlib.import_module("tp_replayssm.pool.step")  # the module whose run_decode the pool calls
 
     env = distributed.init_distributed(args.device)
     try:

@@ -53,6 +53,11 @@ class FusedConv(NamedTuple):
         return self.conv_state, self.weight, self.weight if self.bias is None else self.bias, self.counters
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor object over ``t``'s elements (same storage, offset, shape and strides)."""
+    return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """The overlapping ``[span, last]`` view of a 4-D tensor with a contiguous last dim, and its outer strides.
 
@@ -129,9 +134,10 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
               **cache_strides(st, dr, kr, gr), **plan.constexprs()}
     tensors["vpost3"] = (tensors["out3"][0].as_strided((B, HV, V), tensors["out3"][0].stride(),
                                                        tensors["out3"][0].storage_offset()), "out")
-    if conv is None:
-        tensors.update(conv_rows=(state_rows, "initial_state"), conv_w=(call.A_log, "A_log"),
-                       conv_b=(call.A_log, "A_log"), conv_counters=(guard.errors, "slot_errors"))
+    if conv is None:  # (aliases, each a tensor object of its own: the direct launcher maps every argument object to
+        # one input, and an object passed twice makes the launch unrecordable)
+        tensors.update(conv_rows=(_alias(state_rows), "initial_state"), conv_w=(_alias(call.A_log), "A_log"),
+                       conv_b=(_alias(call.A_log), "A_log"), conv_counters=(_alias(guard.errors), "slot_errors"))
         values.update(cv_base=0, cv_s=0, conv_size=1, conv_width=1, conv_has_bias=False, cv_d=0, cw_d=0, cw_i=0)
     else:
         W = conv.weight.shape[1]
