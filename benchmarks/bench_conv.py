@@ -194,9 +194,10 @@ def two_launch_plan(hv: int, batch: int, state: str, args: argparse.Namespace) -
                       override={"fused_conv": 0})
 
 
-def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace, fuse_conv: bool = False) -> object:
+def library_plan(hv: int, batch: int, state: str, args: argparse.Namespace,
+                 fuse_conv: bool | None = None) -> object:
     """The decode plan of the ``lib`` variant: the library's for the step with the conv (its ``fused_conv``: 0 for two
-    launches), with ``--lib-override`` applied; with ``fuse_conv`` the ``fused`` variant's."""
+    launches), with ``--lib-override`` applied; with ``fuse_conv=True`` the ``fused`` variant's."""
     from plan_args import build_plan
 
     return build_plan(batch=batch, heads=hv, state=state, layout=args.layout, ring_length=args.ring_length,
@@ -277,7 +278,8 @@ def time_shape(hv: int, batch: int, state: str, args: argparse.Namespace, l2: in
 
     rows = []
     for v in args.variants:
-        plan = plans[v] if v in plans else library_plan(hv, batch, state, args, fuse_conv=v == "fused")
+        fuse = True if v == "fused" else None
+        plan = plans[v] if v in plans else library_plan(hv, batch, state, args, fuse_conv=fuse)
         row = dict(shape, variant=v, plan=str(plan), **checks.get(v, checks["once"]))
         row["conv_decode_us"] = with_conv[v]
         row["added_us"] = row["conv_decode_us"] - row["decode_us"]

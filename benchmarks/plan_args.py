@@ -72,9 +72,10 @@ def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int 
                          lower_bound is not None, bounded, conv_kernel_size)
 
 
-def build_plan(*, override: str | dict[str, Any] = "", fuse_conv: bool = False, **problem_kwargs: Any) -> Any:
-    """The library's plan for ``problem(**problem_kwargs)`` (with the conv fused into the launch where it can be,
-    ``fuse_conv``) with ``override`` applied and checked."""
+def build_plan(*, override: str | dict[str, Any] = "", fuse_conv: bool | None = None,
+               **problem_kwargs: Any) -> Any:
+    """The library's plan for ``problem(**problem_kwargs)`` (``fuse_conv``: as :func:`plan_decode`'s; None is the
+    library's choice) with ``override`` applied and checked."""
     from tp_replayssm.kernels.plan import plan_decode
 
     prob = problem(**problem_kwargs)

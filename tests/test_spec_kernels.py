@@ -178,8 +178,9 @@ def _to(pool: ReplaySSMStatePool, device: str) -> ReplaySSMStatePool:
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["predecayed", "sglang"])
-@pytest.mark.parametrize("heads,batch", [(KDAHeads(8, 8, 128, 128), 8), (KDAHeads(16, 32, 128, 128), 32)],
-                         ids=["HV8-B8", "GQA-HV32-B32"])
+@pytest.mark.parametrize("heads,batch", [(KDAHeads(8, 8, 128, 128), 8), (KDAHeads(8, 16, 128, 128), 16)],
+                         ids=["HV8-B8", "GQA-HV16-B16"])  # (the reference runs on CPU copies: HV32 B32 took over
+# 200 s a case there with 16 test workers)
 def test_gpu_verify_and_commit_match_reference(heads: KDAHeads, batch: int, layout: str, state: torch.dtype,
                                                tree: bool) -> None:
     """The compiled kernels at K = V = 128, L = 16, T = 4, over steps that cross every fold phase, against the

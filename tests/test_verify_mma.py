@@ -140,8 +140,8 @@ def test_mma_verify_rebase() -> None:
 
 
 def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
-    """A bf16 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the tensor-core
-    form (an fp32 checkpoint on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one, with the
+    """A bf16 or fp32 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the
+    tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one, with the
     reason; a plan that cannot run a call is refused."""
     base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
@@ -163,8 +163,8 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
             verify_plan.plan_verify(problem, tensor_cores=True)
     assert not verify_plan.plan_verify(verify_plan.VerifyProblem(**base), tensor_cores=False).tensor_cores
     fp32 = verify_plan.VerifyProblem(**{**base, "state_dtype": torch.float32})
-    assert not verify_plan.plan_verify(fp32).tensor_cores
-    assert verify_plan.plan_verify(fp32, tensor_cores=True).tensor_cores
+    assert verify_plan.plan_verify(fp32).tensor_cores
+    assert not verify_plan.plan_verify(fp32, tensor_cores=False).tensor_cores
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "drafts": 9})).columns == 32
 
 

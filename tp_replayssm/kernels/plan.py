@@ -22,7 +22,7 @@ import helion
 
 from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
 
-__all__ = ["DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "plan_decode",
+__all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "plan_decode",
            "problem_of"]
 
 # (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
@@ -47,6 +47,9 @@ STATE_LOADS_CURSOR_TABLE = (2, 15, 18)
 NAMED_BLOCK = 512
 # the H200's multiprocessors: the plan of a device that is not a GPU here (the interpreter, the tests of GPU plans)
 H200_SMS = 132
+# (row, value head) pairs from which the library fuses the pool's conv into the decode launch; below, the conv's own
+# launch (form "once") then the decode is faster (docs/tuning.md, "The conv: fused or its own launch")
+FUSE_CONV_FROM = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,11 +322,12 @@ def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def plan_decode(problem: DecodeProblem, *, fuse_conv: bool = False) -> DecodePlan:
-    """The launch plan of ``problem`` (module docstring; each rule's measurement is in docs/tuning.md). With
-    ``fuse_conv`` the plan runs the pool's conv in the decode launch wherever :func:`fusable` (:func:`fused_conv_mode`);
-    by default a decode with the conv takes two launches (the conv's, then the decode's): the fused launch is checked
-    in the interpreter and compiled for sm_90, and opt-in until it is timed on the GPU (docs/conv.md)."""
+def plan_decode(problem: DecodeProblem, *, fuse_conv: bool | None = None) -> DecodePlan:
+    """The launch plan of ``problem`` (module docstring; each rule's measurement is in docs/tuning.md). A plan that
+    fuses the conv runs the pool's conv in the decode launch wherever :func:`fusable` (:func:`fused_conv_mode`);
+    otherwise a decode with the conv takes two launches (the conv's, then the decode's). ``fuse_conv=None`` (the
+    library's choice) fuses from :data:`FUSE_CONV_FROM` (row, value head) pairs, where the H200 measured the fused
+    launch faster; ``True``/``False`` force it either way."""
     if problem.advance and not problem.cursor_table:
         raise ValueError("replayssm_decode: the fused advance needs the pool's cursor table [S + 1]")
     vt, chunk, warps, maxnreg, mma, evict = _grid(problem)
@@ -333,6 +337,8 @@ def plan_decode(problem: DecodeProblem, *, fuse_conv: bool = False) -> DecodePla
         mode = 1  # no rebase can happen: the check is compiled out
     else:
         mode = 3 if maxnreg is not None else 2  # under the register cap the flush branch's choice spilled
+    if fuse_conv is None:
+        fuse_conv = problem.batch * problem.num_v_heads >= FUSE_CONV_FROM
     fused, readers = fused_conv_mode(problem, vt) if fuse_conv else (0, 0)
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,

@@ -9,9 +9,9 @@ which :meth:`VerifyPlan.check` validates.
 The rules (sm_90 register counts from ``benchmarks/spec_regs.py``; times from ``benchmarks/bench_spec.py``,
 docs/spec.md):
 
-- the tensor-core form for a bf16 checkpoint wherever it can run (:func:`tensor_core_refusal`: pre-decayed bf16
-  rings, power-of-two widths, at most :data:`MMA_MAX_DRAFTS` drafts; with an fp32 checkpoint on request,
-  ``tensor_cores=True``): :data:`MMA_WARPS`-warp programs over 16-row chunks, the narrowest value tile
+- the tensor-core form wherever it can run (:func:`tensor_core_refusal`: pre-decayed bf16 rings, power-of-two
+  widths, at most :data:`MMA_MAX_DRAFTS` drafts; bf16 and fp32 checkpoints, the latter as three bf16 parts; on the
+  H200 it is 1.9-3.9x faster than the CUDA-core form, docs/spec.md): :data:`MMA_WARPS`-warp programs over 16-row chunks, the narrowest value tile
   of 16 / 32 / 64 rows whose grid fits one wave of :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``;
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
@@ -179,9 +179,9 @@ def tensor_core_refusal(problem: VerifyProblem) -> str:
 
 @functools.lru_cache(maxsize=4096)
 def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> VerifyPlan:
-    """The launch plan of ``problem`` (module docstring). ``tensor_cores``: None takes the tensor-core form for a bf16
-    checkpoint wherever it can run (fp32 checkpoints: the CUDA-core form); False the CUDA-core form; True the
-    tensor-core form (``ValueError`` with the reason where it cannot run)."""
+    """The launch plan of ``problem`` (module docstring). ``tensor_cores``: None takes the tensor-core form wherever
+    it can run; False the CUDA-core form; True the tensor-core form (``ValueError`` with the reason where it cannot
+    run)."""
     why = tensor_core_refusal(problem)
     if tensor_cores and why:
         raise ValueError(f"plan_verify: the tensor-core form cannot run this call: {why}")
@@ -204,9 +204,7 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
     else:
         mode = 2
     draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
-    # the default: the tensor-core form for bf16 checkpoints (run on the H200); with an fp32 checkpoint it is
-    # opt-in (checked in the interpreter and compiled for sm_90, not yet run on the GPU)
-    mma = (not why and problem.state_dtype == torch.bfloat16) if tensor_cores is None else tensor_cores
+    mma = not why if tensor_cores is None else tensor_cores
     if mma:  # 4-warp programs of 16-row chunks; the narrowest value tile whose grid fits one wave
         warps, chunk = MMA_WARPS, 16
         if problem.device_type == "cuda":
