@@ -330,8 +330,8 @@ class ReplaySSMStatePool:
         None). Does not move the cursors: call :meth:`advance` once per step, or pass ``advance=True`` to the step's
         LAST decode, which then moves them in the same launch, as ``advance(slots, force_flush)`` right after it
         would. With ``conv_weight [D, W]`` (and ``conv_bias [D]``), ``mixed_qkv`` is pre-conv: the pool's conv (with
-        SiLU) runs first and advances the rows' windows (:meth:`conv_update`): in a launch of its own, or fused into
-        the decode launch with a plan that fuses it (``plan_decode(problem, fuse_conv=True)``; docs/conv.md).
+        SiLU) runs first and advances the rows' windows (:meth:`conv_update`): fused into the decode launch where the
+        plan fuses it (the library's from 256 (row, value head) pairs), else in a launch of its own; docs/conv.md.
         ``plan`` replaces the library's launch plan, ``conv_plan`` the conv launch's (benchmarks, tests)."""
         return step.decode(self, layer, mixed_qkv, a, b, A_log, dt_bias, slots, scale=scale,
                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, lower_bound=lower_bound,
