@@ -242,3 +242,19 @@ def test_serve_fla_reference_on_cpu(tmp_path: Path) -> None:
                   r"\([0-9.]+ s\): (\d+) tokens, max logits rel err ([0-9.e+-]+) \(tol 1e-04\), 0 greedy mismatches",
                   out)
     assert m and int(m.group(1)) > 0 and float(m.group(2)) < 1e-4, out[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_serve_on_one_gpu_with_nccl(tmp_path: Path) -> None:
+    """The main job on one GPU: one NCCL rank, bf16 activations and rings, K = V = 128 (the Helion kernels run, and
+    FLA's chunk_kda where importable), 4 q/k and 8 value heads, 4 rows (the conv in a launch of its own); every
+    request finishes and the check against the plain float64 model passes at the bf16 tolerance."""
+    run = _torchrun(tmp_path, 1, "--device", "cuda", "--dtype", "bfloat16", "--head-dim", "128", "--heads", "4",
+                    "--v-heads", "8", "--hidden", "256", "--requests", "6", "--batch", "4", "--seed", "5",
+                    "--reference", "plain", timeout=280.0)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-6000:]
+    assert _results(out, 1) == [["RESULT: OK"]], out[-4000:]
+    assert re.search(r"rank 0 cuda:0: pool [0-9.]+ [KMG]iB", out), out[-3000:]
+    assert re.search(r"check against the plain float64 model.*, 0 greedy mismatches", out), out[-3000:]
