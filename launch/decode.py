@@ -21,9 +21,9 @@ path; no environment variable is needed.
 A request's life beyond decoding: with ``--fork-prob P`` a new request sometimes shares a running request's prefix
 (``pool.fork`` from its slot instead of a prefill; both then continue), and with ``--preempt-prob P`` a running
 request is sometimes preempted (``pool.export_state`` to CPU, asynchronous on CUDA, and its slot freed) and later
-resumed in a newly allocated slot (``pool.import_state``). With either option the oracle follows every request
-from its prefill through forks and preemptions (a float64 state per request, forked with it), and the sampled rows
-are checked against that state instead of the one ``read_state`` gave.
+resumed in a newly allocated slot (``pool.import_state``): launch/decode_lifecycle.py. With either option the oracle
+follows every request from its prefill through forks and preemptions (a float64 state per request, forked with it),
+and the sampled rows are checked against that state instead of the one ``read_state`` gave.
 
 All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
 rank; weights are generated per head block, so each rank materializes only its own column/row slices.
@@ -33,16 +33,15 @@ then raises the same PlacementError.
 Output: rank 0 prints a summary (tokens/s, achieved state GB/s, memory per rank, placement-check cost) that ends
 with "RESULT: OK". On any error (a placement fault, a sampled row that mismatched the oracle) every rank logs the
 error's text once, prints one line "RESULT: FAIL <ErrorType>: <first line of the message>" and exits with status 1;
-the traceback is logged at DEBUG level (--log-level DEBUG).
+the traceback is logged at DEBUG level (--log-level DEBUG). The oracle checks and the summary are in
+launch/decode_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
-import resource
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from decode_lifecycle import Request
     from tp_replayssm.tp.distributed import DistEnv
 
 SHAPES = {
@@ -141,16 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@dataclasses.dataclass
-class Request:
-    rid: int
-    slot: int
-    remaining: int  # tokens still to decode
-    cursor: int = 0  # host mirror of the pool's ring cursor (for the traffic estimate)
-    forked: bool = False  # started as a fork of another request
-    resumed: bool = False  # was preempted and resumed at least once
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one rank; return its exit status (0: the run verified; 1: it failed, see the RESULT line)."""
     args = parse_args(argv)
@@ -178,7 +168,8 @@ def _run(args: argparse.Namespace) -> None:
 
 
 class Engine:
-    """One rank's engine: pool, TP layer stack, scheduler, verification and metrics."""
+    """One rank's engine: pool, TP layer stack and step loop (scheduling: decode_lifecycle; checks and summary:
+    decode_report)."""
 
     def __init__(self, args: argparse.Namespace, env: DistEnv) -> None:
         import torch
@@ -289,111 +280,11 @@ class Engine:
                 w_b=torch.cat(b, 1).to(dev, dt_), w_o=torch.cat(o, 0).to(dev, dt_),
                 A_log=A_log.float().to(dev), dt_bias=dt.float().to(dev)))
 
-    # ---- scheduling -------------------------------------------------------------------------
-
-    def _admit(self) -> None:
-        torch, args = self.torch, self.args
-        self._resume()
-        empty = [i for i, r in enumerate(self.rows) if r is None]
-        draws = torch.rand(len(empty), generator=self.sched).tolist()
-        lens = torch.randint(args.min_len, args.max_len + 1, (len(empty),), generator=self.sched).tolist()
-        new_rows = [(i, n) for i, d, n in zip(empty, draws, lens) if d < args.arrival]
-        if not new_rows:
-            return
-        sources = self._fork_sources(len(new_rows))  # per new row: a running request to fork from, or None
-        slots = self.pool.alloc(len(new_rows))
-        HV_l, V, K = self.shard.num_v_heads_local, self.heads.value_dim, self.heads.key_dim
-        for (row, n), slot, src in zip(new_rows, slots.tolist(), sources):
-            cursor = src.cursor if src is not None else 0  # a fork starts at its source's cursor
-            self.rows[row] = Request(self.next_rid, slot, n, cursor=cursor, forked=src is not None)
-            self.next_rid += 1
-        forks = [(src, self.rows[row]) for (row, _), src in zip(new_rows, sources) if src is not None]
-        prefill = [(i, self.rows[row]) for i, ((row, _), src) in enumerate(zip(new_rows, sources)) if src is None]
-        if forks:  # shares the source's prefix: every layer's checkpoint, ring, cursor (no prefill)
-            dev = self.device
-            self.pool.fork(torch.tensor([s.slot for s, _ in forks], dtype=torch.int32, device=dev),
-                           torch.tensor([r.slot for _, r in forks], dtype=torch.int32, device=dev))
-            for s, r in forks:  # the oracle forks too
-                if self.lineage:
-                    self.shadow[r.rid] = [t.clone() for t in self.shadow[s.rid]]
-                    self.shadow_win[r.rid] = [t.clone() for t in self.shadow_win.get(s.rid, [])]
-            self.stats["forks"] += len(forks)
-        if prefill:
-            ids = [r.rid for _, r in prefill]
-            pslots = slots[torch.tensor([i for i, _ in prefill], device=slots.device)]
-            for l in range(self.num_layers):  # prefill: random states of the rank's value heads
-                g = torch.Generator().manual_seed(hash((self.args.seed, l, self.rank, tuple(ids))) & 0x7FFFFFFF)
-                states = torch.randn(len(ids), HV_l, V, K, generator=g).mul_(0.1)
-                self.pool.load_state(l, pslots, states.to(self.device))
-                if self.lineage:
-                    for j, rid in enumerate(ids):
-                        self.shadow.setdefault(rid, []).append(states[j].double())
-                        if self.args.conv_size:  # alloc zeroed the window
-                            self.shadow_win.setdefault(rid, []).append(torch.zeros(
-                                self.pool.conv_channels, self.args.conv_size - 1, dtype=torch.float64,
-                                device=self.device))
-        self.stats["admitted"] += len(new_rows)
-
-    # ---- forks and preemptions (--fork-prob, --preempt-prob) -----------------------------------
-
-    def _fork_sources(self, n: int) -> list[Request | None]:
-        """For each of ``n`` new requests, the running request it forks from (a different one each), or None."""
-        if self.args.fork_prob <= 0:
-            return [None] * n
-        running = [r for r in self.rows if r is not None]
-        draws = self.torch.rand(n, generator=self.life).tolist()
-        picks = self.torch.randint(0, 1 << 30, (n,), generator=self.life).tolist()
-        out: list[Request | None] = []
-        for d, pick in zip(draws, picks):
-            if d < self.args.fork_prob and running:
-                out.append(running.pop(pick % len(running)))  # a slot is named once per fork call
-            else:
-                out.append(None)
-        return out
-
-    def _preempt(self) -> None:
-        """Preempt some running requests: export each to CPU (asynchronously on CUDA), free its slot, queue it."""
-        if self.args.preempt_prob <= 0:
-            return
-        live = [i for i, r in enumerate(self.rows) if r is not None]
-        draws = self.torch.rand(len(live), generator=self.life).tolist()
-        for i, d in zip(live, draws):
-            if d < self.args.preempt_prob:
-                r = self.rows[i]
-                shard = self.pool.export_state([r.slot], device="cpu", non_blocking=self.device.type == "cuda")
-                self.pool.free([r.slot])
-                r.slot, r.cursor, r.resumed = -1, 0, True
-                self.waiting.append((r, shard))
-                self.rows[i] = None
-                self.stats["preempted"] += 1
-
-    def _resume(self) -> None:
-        """Preempted requests take empty rows first: a new slot each, ``import_state`` of their shard."""
-        empty = [i for i, r in enumerate(self.rows) if r is None]
-        take = self.waiting[: len(empty)]
-        if not take:
-            return
-        del self.waiting[: len(take)]
-        slots = self.pool.alloc(len(take))
-        for j, (row, (r, shard)) in enumerate(zip(empty, take)):
-            self.pool.import_state(slots[j:j + 1], [shard])  # (waits for the export's copy)
-            r.slot = int(slots[j])
-            self.rows[row] = r
-        self.stats["resumed"] += len(take)
-
-    def _finish(self) -> None:
-        done = [i for i, r in enumerate(self.rows) if r is not None and r.remaining == 0]
-        if done:
-            self.pool.free([self.rows[i].slot for i in done])
-            for i in done:
-                self.shadow.pop(self.rows[i].rid, None)
-                self.shadow_win.pop(self.rows[i].rid, None)
-                self.rows[i] = None
-            self.stats["finished"] += len(done)
-
     # ---- one step ---------------------------------------------------------------------------
 
     def _step(self, step: int, check: bool) -> None:
+        from decode_report import follow, starting_states, traffic_bytes, verify
+
         torch, dist, args = self.torch, self.dist, self.args
         B, dev = args.batch, self.device
         live = [i for i, r in enumerate(self.rows) if r is not None]
@@ -405,18 +296,7 @@ class Engine:
                         self.pool.num_slots + 3, self.pool.num_slots)
             slots_h[row] = self.pool.num_slots + 3
         sample = live[: args.check_rows] if check else []
-        before, windows = [], []
-        if sample and self.lineage:  # the state (and conv window) the oracle followed this request to
-            before = [torch.stack([self.shadow[self.rows[i].rid][l] for i in sample]) for l in range(self.num_layers)]
-            if args.conv_size:
-                windows = [torch.stack([self.shadow_win[self.rows[i].rid][l] for i in sample])
-                           for l in range(self.num_layers)]
-            self.stats["lineage_rows"] += sum(self.rows[i].forked or self.rows[i].resumed for i in sample)
-        elif sample:  # the state each layer starts this step with (cursors are shared: valid for all)
-            sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=dev)
-            before = [self.pool.read_state(l, sidx) for l in range(self.num_layers)]
-            if args.conv_size:  # and the conv windows
-                windows = [self.pool.read_conv_state(l, sidx) for l in range(self.num_layers)]
+        before, windows = starting_states(self, sample)  # what the oracle starts the sampled rows from
         g = torch.Generator().manual_seed(args.seed * 7919 + step)
         x = torch.randn(B, self.hidden, generator=g)
         x[[i for i in range(B) if self.rows[i] is None]] = 0.0
@@ -457,105 +337,19 @@ class Engine:
         self.pool.check()  # a sync point anyway: report any bad slot id of this step (SlotError)
         self.stats["engine_s"] += dt
         self.stats["tokens"] += len(live)
-        traffic = self._count_traffic(live, flush_h)
+        traffic = traffic_bytes(self, live, flush_h)
         if step > 0 or args.steps == 1:  # step 0 compiles the kernel and runs the first-decode checks
             self.stats["warm_s"] += dt
             self.stats["warm_tokens"] += len(live)
             self.stats["warm_bytes"] += traffic
         if sample:
-            self._verify(sample, before, seen, windows)
+            verify(self, sample, before, seen, windows)
         if self.lineage:
-            self._follow(live, seen)
+            follow(self, live, seen)
         for i in live:
             r = self.rows[i]
             r.remaining -= 1
             r.cursor = 0 if (flush_h[i] or r.cursor == args.ring_length - 1) else r.cursor + 1
-
-    def _count_traffic(self, live: list[int], flush_h: list[int]) -> int:
-        """Bytes the decode moves per row and layer: the checkpoint and the ``c`` valid ring entries
-        read, and either one ring entry or the checkpoint written; the conv window read and written."""
-        m = self.pool.memory
-        L = self.args.ring_length
-        entry = m.ring_per_slot_layer // L
-        total = 0
-        for i in live:
-            c = self.rows[i].cursor
-            flushed = flush_h[i] or c == L - 1
-            per_layer = m.checkpoint_per_slot_layer + c * entry + (m.checkpoint_per_slot_layer if flushed else entry)
-            per_layer += 2 * m.conv_per_slot_layer  # the conv window, read and written
-            total += per_layer * self.num_layers
-        return total
-
-    def _verify(self, sample: list[int], before: list[torch.Tensor],
-                seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
-                windows: list[torch.Tensor]) -> None:
-        """Outputs and new states of the sampled rows vs the float64 PlainKDA oracle, per layer. With the conv, the
-        oracle's q/k/v are the float64 conv of the pre-conv ``mixed_qkv`` over the window ``read_conv_state`` gave
-        before the step (so a wrong window fails the run), and the window after the step must be the old one moved
-        on by this step's inputs (rounded to the window's dtype)."""
-        torch = self.torch
-        from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, rel_err
-
-        loc = self.shard.local
-        n = len(sample)
-        rows = torch.tensor(sample, device=self.device)
-        sidx = torch.tensor([self.rows[i].slot for i in sample], dtype=torch.int32, device=self.device)
-        lowp = self.act_dtype != torch.float32 or self.pool.cache_dtype != torch.float32 \
-            or self.pool.state_dtype != torch.float32
-        tol = 2e-2 if lowp else 1e-4
-        for l, (S0, (mixed_qkv, a, b, out)) in enumerate(zip(before, seen)):
-            oracle = PlainKDA(n, loc.num_q_heads, loc.num_v_heads, loc.key_dim, loc.value_dim)
-            oracle.load(list(range(n)), S0)
-            e_win = 0.0
-            if windows:  # the conv in float64: y = silu(sum_i w[:, i] * u[i] + bias), u = window then the input
-                w = self.layers[l]
-                u = torch.cat([windows[l].double(), mixed_qkv[rows].double()[:, :, None]], dim=2)  # [n, D_l, W]
-                y = (u * w["conv_w"].double()).sum(-1) + w["conv_b"].double()
-                mixed_qkv = y * torch.sigmoid(y)  # [n, D_l], the post-conv q/k/v
-                moved = u[:, :, 1:].to(self.pool.conv_dtype)
-                e_win = rel_err(self.pool.read_conv_state(l, sidx), moved) if moved.numel() else 0.0
-                inputs = DecodeInputs(mixed_qkv, a[rows], b[rows])
-            else:
-                inputs = DecodeInputs(mixed_qkv[rows], a[rows], b[rows])
-            params = HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"])
-            expect = oracle.step(inputs, params, list(range(n)), lower_bound=self.args.lower_bound)
-            e_out = rel_err(out[rows, 0], expect)
-            e_state = rel_err(self.pool.read_state(l, sidx), oracle.state)
-            err = max(e_out, e_state, e_win)
-            self.stats["max_err"] = max(self.stats["max_err"], err)
-            self.stats["checked_rows"] += n
-            if not err <= tol:
-                self.stats["mismatches"] += n
-                log.error("layer %d rows %s: rel err out %.2e state %.2e conv window %.2e > tol %.0e", l, sample,
-                          e_out, e_state, e_win, tol)
-
-    def _follow(self, live: list[int], seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-                ) -> None:
-        """Step every live request's float64 oracle state (and conv window) with this step's inputs (with
-        ``--fork-prob`` or ``--preempt-prob``)."""
-        torch = self.torch
-        from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA
-
-        loc = self.shard.local
-        rows = torch.tensor(live, device=self.device)
-        for l, (mixed_qkv, a, b, _) in enumerate(seen):
-            qkv = mixed_qkv[rows]
-            if self.args.conv_size:  # the conv in float64 over the followed window, which then moves on
-                w = self.layers[l]
-                win = torch.stack([self.shadow_win[self.rows[i].rid][l] for i in live])
-                u = torch.cat([win, qkv.double()[:, :, None]], dim=2)
-                y = (u * w["conv_w"].double()).sum(-1) + w["conv_b"].double()
-                qkv = y * torch.sigmoid(y)
-                moved = u[:, :, 1:].to(self.pool.conv_dtype).double()  # the window keeps its dtype's rounding
-                for j, i in enumerate(live):
-                    self.shadow_win[self.rows[i].rid][l] = moved[j]
-            oracle = PlainKDA(len(live), loc.num_q_heads, loc.num_v_heads, loc.key_dim, loc.value_dim)
-            oracle.load(list(range(len(live))), torch.stack([self.shadow[self.rows[i].rid][l] for i in live]))
-            oracle.step(DecodeInputs(qkv, a[rows], b[rows]),
-                        HeadParams(self.layers[l]["A_log"], self.layers[l]["dt_bias"]), list(range(len(live))),
-                        lower_bound=self.args.lower_bound)
-            for j, i in enumerate(live):
-                self.shadow[self.rows[i].rid][l] = oracle.state[j].clone()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -565,17 +359,19 @@ class Engine:
 
     def run(self) -> None:
         args, dist = self.args, self.dist
+        from decode_lifecycle import admit, finish, preempt
+        from decode_report import summary
         from tp_replayssm.tp.placement import placement_check_stats
 
         log.info("pool: %s; local heads H=%d HV=%d; %s", self.pool, self.shard.num_q_heads_local,
                  self.shard.num_v_heads_local, self.pool.memory.describe())
         t_run = time.perf_counter()
         for step in range(args.steps):
-            self._admit()
+            admit(self)
             check = args.check_every > 0 and step % args.check_every == 0
             self._step(step, check)
-            self._finish()
-            self._preempt()
+            finish(self)
+            preempt(self)
             self.stats["steps"] += 1
             if self.rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
                 s = self.stats
@@ -590,73 +386,7 @@ class Engine:
         for _ in range(reps):
             self.pool.verify_placement()
         verify_us = (time.perf_counter() - t0) / reps * 1e6
-        self._summary(wall, verify_us, placement_check_stats())
-
-    def _summary(self, wall: float, verify_us: float, checks: dict[str, float]) -> None:
-        torch, dist = self.torch, self.dist
-        if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        mine = dict(rank=self.rank, device=str(self.device), pool_bytes=self.pool.memory.total, peak=peak,
-                    mismatches=self.stats["mismatches"], checked=self.stats["checked_rows"],
-                    max_err=self.stats["max_err"], checks=checks, verify_us=verify_us)
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
-        bad = sum(r["mismatches"] for r in every)
-        if self.rank == 0:
-            s = self.stats
-            warm_s = max(s["warm_s"], 1e-9)
-            lines = [
-                "=" * 72,
-                f"decode summary: {self.world} ranks on {self.device.type}, shape {self.args.shape} "
-                f"(H={self.heads.num_q_heads} HV={self.heads.num_v_heads} K={self.heads.key_dim} "
-                f"V={self.heads.value_dim}, {self.num_layers} layers), batch {self.args.batch}, "
-                f"L={self.args.ring_length}, state {self.pool.state_dtype}, cache {self.pool.cache_dtype}, "
-                f"activations {self.act_dtype}, cursor advance "
-                f"{'fused into the last decode' if self.args.fused_advance else 'by pool.advance'}, "
-                f"{f'conv W={self.args.conv_size} (window in the pool)' if self.args.conv_size else 'no conv'}",
-                f"  steps {s['steps']}, tokens {s['tokens']}, requests admitted {s['admitted']} finished "
-                f"{s['finished']}, wall {wall:.2f} s",
-                f"  throughput {s['warm_tokens'] / warm_s:.1f} tokens/s over the steps after the first "
-                f"({s['warm_tokens']} tokens in {warm_s:.3f} s; all steps: {s['engine_s']:.3f} s); achieved state "
-                f"traffic {s['warm_bytes'] / warm_s / 1e9:.3g} GB/s per rank "
-                f"({s['warm_bytes'] / 2**20:.2f} MiB of checkpoint/ring reads+writes)",
-                f"  pool build (collective check included) {self.build_s * 1e3:.1f} ms on rank 0",
-            ]
-            if self.lineage:
-                lines.append(
-                    f"  lifecycle: forks {s['forks']} (--fork-prob {self.args.fork_prob}), preemptions "
-                    f"{s['preempted']} and resumptions {s['resumed']} (--preempt-prob {self.args.preempt_prob}), "
-                    f"{len(self.waiting)} still waiting; sampled rows of forked or resumed requests "
-                    f"{s['lineage_rows']} (the float64 oracle followed every request through its forks and "
-                    "preemptions)")
-            for r in every:
-                c = r["checks"]
-                lines.append(
-                    f"  rank {r['rank']} {r['device']}: pool {r['pool_bytes'] / 2**20:.2f} MiB, peak "
-                    f"{'allocated' if self.device.type == 'cuda' else 'RSS'} {r['peak'] / 2**20:.1f} MiB; "
-                    f"placement checks {int(c['collective'])} ({c['total_s'] * 1e3:.1f} ms total), "
-                    f"verify_placement() {r['verify_us']:.0f} us; sampled rows {r['checked']} "
-                    f"max rel err {r['max_err']:.2e}, mismatches {r['mismatches']}")
-            first = [t for l, t in self.first_decode if l > 0] or [t for _, t in self.first_decode]
-            later = [t for _, t in self.later_decode]
-            if first and later:
-                lines.append(
-                    f"  pool.decode host time on rank 0: first call of a layer (collective check) "
-                    f"{1e3 * sum(first) / len(first):.3f} ms vs later calls (no check) "
-                    f"{1e3 * sum(later) / len(later):.3f} ms")
-                if self.device.type != "cuda":  # the decode's own run hides the check's cost there
-                    lines.append("    (on CPU both include the decode's run on the PyTorch path, "
-                                 "so the checks' own cost is the 'placement checks' total above)")
-            if bad:  # every rank raises below and prints its RESULT: FAIL line
-                lines.append(f"  verification: {bad} sampled rows MISMATCHED")
-            else:
-                lines.append("  RESULT: OK")
-            lines.append("=" * 72)
-            print("\n".join(lines), flush=True)
-        if bad:
-            raise RuntimeError(f"{bad} sampled rows mismatched the float64 reference (see the log)")
+        summary(self, wall, verify_us, placement_check_stats())
 
 
 if __name__ == "__main__":
