@@ -129,9 +129,10 @@ def test_launcher_fault_injection(tmp_path: Path, fault: str, expect: str) -> No
         assert len(re.findall(rf"^\[default{rank}\]:.*ERROR decode: PlacementError", out, flags=re.M)) <= 1
 
 
-def _load_launcher(monkeypatch: pytest.MonkeyPatch) -> object:
-    """The launcher as a module (its ``main`` does not run)."""
-    spec = importlib.util.spec_from_file_location("launch_decode", LAUNCHER)
+def _load_launcher(monkeypatch: pytest.MonkeyPatch, script: Path = LAUNCHER) -> object:
+    """The launcher (or another script of launch/) as a module (its ``main`` does not run)."""
+    monkeypatch.syspath_prepend(str(script.parent))  # its sibling modules
+    spec = importlib.util.spec_from_file_location(f"launch_{script.stem}", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
@@ -161,6 +162,51 @@ def test_launcher_help_lists_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     from tp_replayssm.validation import RING_LAYOUTS
 
     assert {a.dest: a.choices for a in options}["ring_layout"] == RING_LAYOUTS  # the library's layouts
+
+
+@pytest.mark.parametrize("script", ["decode.py", "serve.py"])
+def test_launcher_help_shows_every_default_and_help(monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """Both launchers: every option has a help text, and its help (as ``--help`` prints it) ends with its default."""
+    parser = _load_launcher(monkeypatch, REPO / "launch" / script).build_parser()  # type: ignore[attr-defined]
+    formatter = parser._get_formatter()
+    text = "".join(parser.format_help().split())  # argparse wraps the help texts (at spaces and hyphens)
+    options = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert options
+    for action in options:
+        assert action.help and action.help.strip(), action.option_strings
+        shown = formatter._expand_help(action)
+        assert shown.endswith(f"(default: {action.default})"), (action.option_strings, shown)
+        assert "".join(shown.split()) in text, (action.option_strings, parser.format_help())
+
+
+@pytest.mark.parametrize("script", ["decode.py", "serve.py"])
+def test_launcher_failure_is_one_result_line(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                             caplog: pytest.LogCaptureFixture, script: str) -> None:
+    """An error on a rank (here: a multi-line one from the distributed set-up) ends ``main`` with status 1 and ONE
+    ``RESULT: FAIL <type>: <first line>`` line on stdout: no traceback printed; the whole text is logged once at
+    ERROR level, the traceback only at DEBUG level."""
+    import contextlib
+    import logging
+
+    from tp_replayssm.tp import distributed
+
+    @contextlib.contextmanager
+    def failing_session(*args: object, **kwargs: object):  # noqa: ANN202 - a context manager
+        raise ValueError("first line of the failure\n  rank 1: the details")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(distributed, "distributed_session", failing_session)
+    module = _load_launcher(monkeypatch, REPO / "launch" / script)
+    with caplog.at_level(logging.INFO):
+        status = module.main([])  # type: ignore[attr-defined]
+    out = capsys.readouterr()
+    assert status == 1
+    assert out.out.splitlines().count("RESULT: FAIL ValueError: first line of the failure") == 1, out.out
+    assert len(re.findall(r"RESULT:", out.out + out.err)) == 1, out
+    assert "Traceback" not in out.out + out.err
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "rank 1: the details" in errors[0].getMessage(), caplog.text
+    assert not any(r.exc_info for r in caplog.records if r.levelno > logging.DEBUG), caplog.text
 
 
 def _unresolved_imports(script: Path) -> list[str]:

@@ -592,10 +592,21 @@ def test_default_ring_layout_is_predecayed():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_device_without_cuda_is_a_clear_error():
-    for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+    """A CUDA device (by name, torch.device or index) on a machine without CUDA: a ValueError naming `device`, the
+    device asked for and the missing CUDA, not torch's bare AssertionError; in the pool and in export_state."""
+    pool = make_pool(num_layers=1)
+    ids = pool.alloc(1)
+    for device, shown in (("cuda", "cuda"), ("cuda:0", "cuda:0"), ("cuda:1", "cuda:1"),
+                          (torch.device("cuda", 1), "cuda:1"), (0, "cuda:0")):
         with pytest.raises(ValueError, match="`device`") as info:
             ReplaySSMStatePool(SMALL, num_layers=1, num_slots=S, ring_length=L, device=device)
-        assert "no CUDA" in str(info.value), info.value
+        assert f"`device` is {shown} " in str(info.value) and "no CUDA device" in str(info.value), info.value
+        with pytest.raises(ValueError, match="`device`") as info:
+            pool.export_state(ids, device=device)
+        assert str(info.value).startswith("ReplaySSMStatePool.export_state: `device` is "), info.value
+        assert f"`device` is {shown} " in str(info.value) and "no CUDA device" in str(info.value), info.value
+    with pytest.raises(ValueError, match="`device` must name a torch device; got 'gpu'"):
+        pool.export_state(ids, device="gpu")
 
 
 def test_decode_and_state_calls_reject_bad_input():
@@ -645,15 +656,85 @@ def test_decode_batch_mismatch_names_the_tensor_and_slots():
     p = params_for(2)
     inp = small_inputs()
     pad = i32([-1] * B)
-    with pytest.raises(ValueError, match="`mixed_qkv`") as info:
-        pool.decode(0, inp.mixed_qkv[: B - 1], inp.a, inp.b, p.A_log, p.dt_bias, pad)
-    assert "`a`" not in str(info.value) and f"B = {B}" in str(info.value), info.value
+    D = inp.mixed_qkv.shape[1]
+    for bad in (inp.mixed_qkv[: B - 1], torch.cat([inp.mixed_qkv, inp.mixed_qkv[:2]])):  # too few rows, too many
+        for kw in ({}, {"force_flush": i32([0] * B)}):
+            with pytest.raises(ValueError, match="`mixed_qkv`") as info:
+                pool.decode(0, bad, inp.a, inp.b, p.A_log, p.dt_bias, pad, **kw)
+            text = str(info.value)
+            assert "`a`" not in text and f"B = {B}" in text, text
+            assert f"must be of shape [{B}, {D}]" in text and f"got shape {list(bad.shape)}" in text, text
     with pytest.raises(ValueError, match="`slots`") as info:
         pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad[: B - 1])
     assert "ssm_state_indices" not in str(info.value), info.value
     with pytest.raises(ValueError, match="`force_flush`") as info:
         pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad, force_flush=pad[: B - 1])
     assert "ssm_state_indices" not in str(info.value), info.value
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["eager", "debug"])
+def test_every_slot_error_speaks_of_slots(debug):
+    """Every pool method that takes slot ids calls them by its own argument's name (``slots``; ``src``/``dst`` in
+    fork), never ``ssm_state_indices`` (the raw op's name): wrong type, dtype, rank or length, and ids out of range
+    (raised at the call, or by ``check()`` from the record)."""
+    pool = make_pool(num_layers=1, conv_kernel_size=4, debug=debug)
+    ids = pool.alloc(2)
+    p = params_for(2)
+    inp = small_inputs()
+    pad = i32([-1] * B)
+    qkv = (inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias)
+    T = 2
+    drafts = random_decode_inputs(B * T, 1, 2, KD, VD, dtype=torch.float32, device=DEV)
+    spec = (drafts.mixed_qkv.view(B, T, -1), drafts.a.view(B, T, -1), drafts.b.view(B, T, -1), p.A_log, p.dt_bias)
+    weight = torch.randn(pool.conv_channels, 4, device=DEV)
+    x = torch.randn(B, pool.conv_channels, device=DEV)
+    states = torch.zeros(2, 2, VD, KD, device=DEV)
+    shard = pool.export_state(ids)
+    far = i32([S + 5, -1, -1, -1])  # an id out of range
+    bad_ids = (pad.long(), pad.float(), pad[None], pad[: B - 1], [-1] * B)  # dtype, rank, length, not a tensor
+    calls = {
+        "decode": [lambda s=s: pool.decode(0, *qkv, s) for s in bad_ids + (far,)]
+        + [lambda: pool.decode(0, *qkv, pad[: B - 1], conv_weight=weight)],
+        "advance": [lambda s=s: pool.advance(s) for s in bad_ids[:3] + (bad_ids[4], far)],
+        "verify": [lambda s=s: pool.verify(0, *spec, s) for s in bad_ids + (far,)],
+        "conv_update": [lambda s=s: pool.conv_update(0, x, weight, s) for s in bad_ids + (far,)],
+        "export_state": [lambda s=s: pool.export_state(s) for s in (pad.float(), pad[None, None], [S + 5], "0")],
+        "import_state": [lambda s=s: pool.import_state(s, shard) for s in (ids.float(), [S + 5, ids[1].item()])],
+        "load_state": [lambda s=s: pool.load_state(0, s, states) for s in (ids.float(), ids[None], [0, 1],
+                                                                           i32([S + 5, ids[1].item()]))],
+        "read_state": [lambda s=s: pool.read_state(0, s) for s in (ids.float(), ids[None], [0], i32([S + 5]))],
+        "read_conv_state": [lambda s=s: pool.read_conv_state(0, s) for s in (ids.float(), ids[None], i32([S + 5]))],
+        "free": [lambda s=s: pool.free(s) for s in (ids.float(), ids[None, None], [S + 5], "0")],
+    }
+    for method, attempts in calls.items():
+        for i, attempt in enumerate(attempts):
+            with pytest.raises(ValueError) as info:  # SlotError included
+                attempt()
+                pool.check()  # (eager: a bad id is a padding row, recorded)
+            text = str(info.value)
+            assert f"ReplaySSMStatePool.{method}" in text, (method, i, text)
+            assert "slot" in text and "ssm_state_indices" not in text, (method, i, text)
+    # commit, after a good verify of the step
+    pool.verify(0, *spec, pad)
+    for s in (pad.long(), pad[None], pad[: B - 1], [-1] * B):
+        with pytest.raises(ValueError, match="ReplaySSMStatePool.commit: `slots`") as info:
+            pool.commit(s, i32([0] * B))
+        assert "ssm_state_indices" not in str(info.value)
+    with pytest.raises(SlotError, match=r"ReplaySSMStatePool.commit") as info:
+        pool.commit(far, i32([0] * B))  # (debug: raises here, the step still open)
+        pool.check()
+    assert "ssm_state_indices" not in str(info.value)
+    if debug:
+        pool.commit(pad, i32([0] * B))
+    # fork names its own arguments
+    for src, dst in ((ids[:1].long(), ids[1:]), (ids[:1], ids[1:][None]), (ids, ids[:1])):
+        with pytest.raises(ValueError, match="ReplaySSMStatePool.fork: `src`|`dst`|`src` and `dst`") as info:
+            pool.fork(src, dst)
+        assert "ssm_state_indices" not in str(info.value)
+    with pytest.raises(SlotError, match="ReplaySSMStatePool.fork") as info:
+        pool.fork(i32([S + 5]), ids[1:])
+        pool.check()
+    assert "ssm_state_indices" not in str(info.value)
 
 
 def test_debug_mode_checks(monkeypatch):

@@ -334,6 +334,27 @@ def test_arguments_are_checked_before_anything_is_written() -> None:
     pool.check()
 
 
+def test_verify_batch_mismatch_names_the_tensor_that_disagrees() -> None:
+    """The verify's batch is the dim-0 size most per-row tensors share (the slots' on a tie), as in decode: a
+    ``mixed_qkv`` with a row too few or too many is blamed (expected and actual shape), not its neighbour ``a``."""
+    pool, _, model = _pair("predecayed")
+    p = model.params[0]
+    d = random_drafts(pool, 3, 2, torch.Generator().manual_seed(1))
+    ids = torch.tensor([0, 2, 3], dtype=torch.int32)
+    x, a, b = d.mixed[0], d.a[0], d.b[0]
+    D = x.shape[2]
+    for bad in (x[:2], torch.cat([x, x[:1]])):
+        with pytest.raises(ValueError, match="`mixed_qkv`") as info:
+            pool.verify(0, bad, a, b, p.A_log, p.dt_bias, ids)
+        text = str(info.value)
+        assert f"of shape [3, 2, {D}]" in text and f"got shape {list(bad.shape)}" in text, text
+        assert "`a`" not in text and "ssm_state_indices" not in text, text
+    with pytest.raises(ValueError, match=r"`slots` must be of shape \[3\]") as info:
+        pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids[:2])
+    assert "ssm_state_indices" not in str(info.value)
+    pool.check()
+
+
 def test_debug_mode_raises_at_the_call() -> None:
     pool = build(KDAHeads(1, 2, K, V), L=4, debug=True)
     gen = torch.Generator().manual_seed(1)

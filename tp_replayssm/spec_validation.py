@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .validation import ACTIVATION_DTYPES, _check_scalars, check_tensor, describe
+from .validation import ACTIVATION_DTYPES, _batch, _check_scalars, check_tensor, describe
 
 __all__ = ["VerifyCall", "VerifyDims", "validate_commit", "validate_verify"]
 
@@ -82,7 +82,9 @@ def validate_verify(mixed_qkv: object, a: object, b: object, A_log: object, dt_b
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 3 or mixed_qkv.shape[2] != D:
         raise _fail(where, "mixed_qkv", f"a 3-D tensor [B, T, D] with D = 2*H*K + HV*V = {D} (this rank's "
                     "columns)", describe(mixed_qkv))
-    B, T = mixed_qkv.shape[0], mixed_qkv.shape[1]
+    # the batch most per-row tensors share (the slots' on a tie): the error names the tensor that disagrees
+    B, T = _batch(where, {"mixed_qkv": mixed_qkv, "a": a, "b": b, "slots": slots, "parents": parents,
+                          "out": out}), mixed_qkv.shape[1]
     if not 1 <= T <= L - 1:
         raise _fail(where, "mixed_qkv", f"[B, T, D] with 1 <= T <= ring_length - 1 = {L - 1} draft tokens",
                     f"T = {T} (shape {list(mixed_qkv.shape)})")

@@ -206,8 +206,10 @@ def _batch(where: str, per_row: dict[str, object]) -> int:
     B = rows if rows in tied else next(iter(tied))
     for name, n in sizes.items():
         if n != B:
+            shape = list(per_row[name].shape)
             agree = ", ".join(m for m, k in sizes.items() if k == B)
-            raise _fail(where, name, f"of batch B = {B} in dim 0 (as {agree})", f"shape {list(per_row[name].shape)}")
+            raise _fail(where, name, f"of shape {[B, *shape[1:]]} (batch B = {B} in dim 0, as {agree})",
+                        f"shape {shape}")
     return B
 
 

@@ -32,6 +32,7 @@ from ..kernels import fork as fork_kernels
 from ..kernels.backend import runs_kernel
 from ..kernels.guard import SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
+from ..tp.devices import resolve_device
 from ..validation import describe
 from .shard import StateShard
 from .slots import host_ids, raise_slot_error
@@ -159,10 +160,8 @@ def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device |
                  non_blocking: bool) -> StateShard:
     """:meth:`ReplaySSMStatePool.export_state` (module docstring)."""
     where = "ReplaySSMStatePool.export_state"
-    try:
-        target = pool.device if device is None else torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"{where}: `device` must be a torch.device or a device string; got {device!r}") from exc
+    # a CUDA device on a machine without CUDA (or past the visible ones) is a ValueError that says so
+    target = pool.device if device is None else resolve_device(device, where)
     ids = _host_slots(pool, slots, where, unique=False)
     n, NL, dev = len(ids), pool.num_layers, pool.device
     loc, shard = pool.local_heads, pool.shard

@@ -49,7 +49,7 @@ from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from . import conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
-from .slots import SlotTable, debug_check, host_ids, is_int
+from .slots import SlotTable, check_ids, debug_check, host_ids, is_int
 
 if TYPE_CHECKING:
     from ..kernels.conv_plan import ConvPlan
@@ -295,6 +295,7 @@ class ReplaySSMStatePool:
         where = f"ReplaySSMStatePool.conv_update(layer={layer})"
         self._check_layer(layer, "conv_update")
         conv.check_conv_args(self, x, weight, bias, activation, where)
+        check_ids(slots, where, self.device, (torch.int32,))  # (before the debug check reads the ids)
         if self.debug:
             self._debug_check(slots, where, allow_padding=True, unique=True)
         return conv.conv_update(self, layer, x, weight, slots, bias, activation, self.guard("conv_update", layer),

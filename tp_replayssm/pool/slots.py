@@ -77,7 +77,7 @@ class SlotTable:
                 parts.append(f"ids not allocated (double free or never handed out): {not_alloc}")
             if dup:
                 parts.append(f"ids given more than once: {dup}")
-            raise ValueError(f"{where}: nothing freed; {'; '.join(parts)}")
+            raise ValueError(f"{where}: nothing freed; `slots` holds {'; '.join(parts)}")
         for i in ids:
             self._allocated[i] = 0
             self._free.append(i)

@@ -33,6 +33,8 @@ def resolve_device(device: torch.device | str | int | None, where: str = "device
     if device is None:
         cur = current_cuda_device()
         return cur if cur is not None else torch.device("cpu")
+    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
+        device = torch.device("cuda", device)  # an index names a CUDA device (as torch.device(0) does with CUDA)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
