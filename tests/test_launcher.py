@@ -135,7 +135,7 @@ def _load_launcher(monkeypatch: pytest.MonkeyPatch, script: Path = LAUNCHER) -> 
     spec = importlib.util.spec_from_file_location(f"launch_{script.stem}", script)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up
+    monkeypatch.setitem(sys.modules, spec.name, module)  # registered, as an import would be
     spec.loader.exec_module(module)
     return module
 
