@@ -19,6 +19,9 @@ What it measures, per shape (one layer, K = V = 128, L = 16, bf16 rings and acti
   committed ring entries read, ``T`` ring entries written, the fold's checkpoint write at its share of the cycle,
   inputs and outputs) over the copy bandwidth measured in the same run; ``%floor = floor_us / verify_us``.
 - Before timing, each shape checks one verify + commit against the PyTorch reference on a CPU copy of the pool.
+- ``--override field=value,...`` (repeatable): each shape is also timed with the library's verify plan with those
+  ``VerifyPlan`` fields replaced (``value_tile`` brings its ``tile_readers``), e.g. ``value_chunk=32`` or
+  ``operand_parts=2``; the table's last column names the override.
 
 Commands (the H200; ``source benchmarks/device_setup.sh`` first)::
 
@@ -107,6 +110,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--forms", default="tensor-cores",
                    help="verify kernel forms to time, comma-separated: tensor-cores, cuda-cores")
+    p.add_argument("--override", action="append", default=[], type=verify_override, metavar="FIELD=VALUE,...",
+                   help="(repeatable) also time each shape with the library's verify plan with these VerifyPlan "
+                        "fields replaced, e.g. value_chunk=32,num_warps=8 or operand_parts=2")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.heads = "1,32", "32"
@@ -115,9 +121,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def verify_override(text: str) -> dict[str, Any]:
+    """``argparse`` type of ``--override``: ``field=value[,field=value...]`` of ``VerifyPlan`` -> dict of ints and
+    bools, the names checked."""
+    import dataclasses
+
+    from tp_replayssm.kernels.verify_plan import VerifyPlan
+
+    fields = {f.name for f in dataclasses.fields(VerifyPlan)}
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or name not in fields:
+            raise argparse.ArgumentTypeError(f"expected field=value with field one of {sorted(fields)}; got {item!r}")
+        v = value.lower()
+        try:
+            out[name] = v in ("true", "on") if v in ("true", "false", "on", "off") else int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected an int or true/false; got {value!r}") from None
+    return out
+
+
 def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [dict(B=int(b), HV=int(h), state=s, form=f) for f in args.forms.split(",") for s in args.state.split(",")
-            for h in args.heads.split(",") for b in args.batch.split(",")]
+    """Every (form, state, HV, B, plan override) to time: the library's plan first, then each ``--override``."""
+    return [dict(B=int(b), HV=int(h), state=s, form=f, override=o) for f in args.forms.split(",")
+            for s in args.state.split(",") for h in args.heads.split(",") for b in args.batch.split(",")
+            for o in [{}, *args.override]]
 
 
 def form_flag(form: str) -> bool | None:
@@ -257,6 +286,12 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
                                      torch.cuda.get_device_properties(0).multi_processor_count, args.layout, False,
                                      True, lb is not None, lb is not None and (L - 1) * abs(lb) <= 75),
                        tensor_cores=form_flag(shape["form"]))
+    if shape["override"]:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, **shape["override"])
+        if "value_tile" in shape["override"] and "tile_readers" not in shape["override"]:
+            plan = dataclasses.replace(plan, tile_readers=-(-128 // plan.value_tile))
     rec["plan"] = str(plan)
     rec["check_rel_err"] = check_shape(pool, sets, args, params, inputs, plan)
     accepted = torch.full((B,), args.accept, dtype=torch.int32, device="cuda")
@@ -297,7 +332,7 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
     head = (f"{'form':>12} {'HV':>3} {'B':>4} {'state':>5} {'verify+commit':>13} {'decode':>7} {'x1':>5} "
-            f"{'target':>6} {'xT':>5} {'floor':>7} {'%floor':>6} {'err':>8}")
+            f"{'target':>6} {'xT':>5} {'floor':>7} {'%floor':>6} {'err':>8} plan override")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -308,7 +343,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         lines.append(f"{r.get('form', ''):>12} {r['HV']:>3} {r['B']:>4} {r['state']:>5} {r['verify_us']:>10.2f} us "
                      f"{r['decode_us']:>7.2f} "
                      f"{r['x1']:>5.2f} {'<=' + str(target):>6}{ok:>5} {r['xT']:>5.2f} {r['floor_us']:>7.2f} "
-                     f"{r['pct_floor']:>5.0f}% {r['check_rel_err']:>8.1e}")
+                     f"{r['pct_floor']:>5.0f}% {r['check_rel_err']:>8.1e}"
+                     + (" " + ",".join(f"{k}={v}" for k, v in r["override"].items()) if r.get("override") else ""))
     return lines
 
 

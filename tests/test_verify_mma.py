@@ -2,8 +2,9 @@
 plain recurrence.
 
 On CPU it runs in Triton's interpreter, one tiny case per path: a chain on an fp32 checkpoint (rows that fold and
-rows that do not, padding, a freed and a repeated slot), a tree on a bf16 checkpoint over two value tiles with GQA
-(the head's last program writes the per-head rows), and heads that rebase. Each case runs the same call on a twin pool
+rows that do not, padding, a freed and a repeated slot), the same with two value chunks per program (the next chunk's
+loads in flight), a tree on a bf16 checkpoint over two value tiles with GQA (the head's last program writes the
+per-head rows), and heads that rebase. Each case runs the same call on a twin pool
 through the PyTorch path (outputs, every pool tensor), checks the outputs against a float64 recurrence stepped along
 each draft's path from the pool's state, poisons the outputs with NaN first and keeps a never-allocated slot filled
 with a sentinel that must stay bit-identical. With CUDA (marker ``gpu``): both verify forms at K = V = 128 against the
@@ -13,6 +14,7 @@ reference on CPU copies of the pool.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -48,12 +50,18 @@ def _verify(pool: ReplaySSMStatePool, model: object, drafts: object, slots: torc
 
 
 def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen: torch.Generator,
-          parents: list[list[int]] | None, tol: float, exact_tol: float, a_shift: float = 0.0) -> None:
+          parents: list[list[int]] | None, tol: float, exact_tol: float, a_shift: float = 0.0,
+          **override: int) -> None:
     """The kernel (interpreter) against the torch path on a twin (outputs within ``tol``, pool tensors within a bf16
-    step), and against float64 along the draft paths from the pool's state (within ``exact_tol``)."""
+    step), and against float64 along the draft paths from the pool's state (within ``exact_tol``). ``override``:
+    plan fields replaced (``value_tile`` with its ``tile_readers``)."""
     problem = _problem(pool, len(slots), T, parents is not None, model.lower_bound)
     assert verify_plan.tensor_core_refusal(problem) == ""
     plan = verify_plan.plan_verify(problem, tensor_cores=True)
+    if override:
+        tiles = -(-pool.local_heads.value_dim // override.get("value_tile", plan.value_tile))
+        plan = dataclasses.replace(plan, **override, tile_readers=tiles)
+        plan.check(problem)
     unused = pool.num_slots - 1
     _sentinel(pool, unused)
     before = {n: getattr(pool, n)[:, unused].clone() for n in ("checkpoint", "d_cache", "k_cache", "g_cache")}
@@ -126,6 +134,21 @@ def test_mma_verify_tree_bf16_state_two_value_tiles() -> None:
 
 
 @on_cpu_machine
+def test_mma_verify_two_chunks_per_program() -> None:
+    """A program of two 16-row value chunks (V = 32, one value tile of 32 rows): the second chunk's checkpoint rows,
+    deltas and draft values are loaded during the first one's math; fp32 checkpoint, a chain of 3 drafts; rows: one
+    that folds (cursor 4, L = 6), one that does not (cursor 2), padding, a repeated slot."""
+    pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(23)
+    model = make_model(pool, gen)
+    pool.alloc(4)
+    _warm(pool, model, [[0, 1, 2], [0, -1, 2], [0, -1, -1], [0, -1, -1]], gen)
+    assert pool.cursors[[0, 2]].tolist() == [4, 2]
+    _case(pool, model, [0, 2, -1, 1, 1], 3, gen, None, 1e-5, 1e-5, value_tile=32)
+    assert pool.slot_errors[2] == 2 and pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
+
+
+@on_cpu_machine
 def test_mma_verify_rebase() -> None:
     """Pre-decayed rings with a gate that can pass the bound within a ring (lower bound -18, L = 6): the committed
     gates plus the drafts pass -75, so heads rebase (checkpoint, zeroed deltas, G_{c-1} = 0)."""
@@ -141,8 +164,8 @@ def test_mma_verify_rebase() -> None:
 
 def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
     """A bf16 or fp32 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the
-    tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one, with the
-    reason; a plan that cannot run a call is refused."""
+    tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one,
+    with the reason; a plan that cannot run a call is refused."""
     base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)

@@ -126,6 +126,7 @@ def replayssm_verify_mma_kernel(
             lead = tv.begin + hl.arange(value_chunk)
             s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)], extra_mask=(lead < tv.end)[:, None])
             d_next = hl.load(d_rows, [dr_base + j * dr_l, lead], extra_mask=valid[:, None] & (lead < tv.end)[None, :])
+            v_next = hl.load(v4, [row, tt, hv, lead], extra_mask=tlive[:, None] & (lead < tv.end)[None, :])  # [Tb, Vc]
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             if ok:
@@ -224,26 +225,32 @@ def replayssm_verify_mma_kernel(
                                      extra_mask=(after < tv.end)[:, None])
                     d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
                                      extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
-                    prod = hl.dot(d_t, w_parts[1], acc=hl.dot(d_t, w_parts[0]))  # [Vc, N] fp32
+                    v_tile = v_next.to(torch.float32).T  # [Vc, Tb]: the drafts' values of this chunk
+                    v_next = hl.load(v4, [row, tt, hv, after], extra_mask=tlive[:, None] & (after < tv.end)[None, :])
+                    # P = D^T W + S0 A as independent accumulator chains (one per operand part of A and W), summed
+                    # at the end: each chain is a third of the tensor-core steps, so their latencies overlap
+                    acc0 = hl.dot(d_t, w_parts[0])  # [Vc, N] fp32
+                    acc1 = hl.dot(d_t, w_parts[1])
                     if operand_parts == 3:
-                        prod = hl.dot(d_t, w_parts[2], acc=prod)
+                        acc2 = hl.dot(d_t, w_parts[2])
                     if fp32_state:  # the checkpoint rows as bf16 parts too: every part pair above 2^-(8 parts)
                         s_parts = bf16_parts(s0, operand_parts)
-                        prod = hl.dot(s_parts[0], a_parts[0], acc=prod)
-                        prod = hl.dot(s_parts[0], a_parts[1], acc=prod)
-                        prod = hl.dot(s_parts[1], a_parts[0], acc=prod)
+                        acc0 = hl.dot(s_parts[0], a_parts[0], acc=acc0)
+                        acc1 = hl.dot(s_parts[1], a_parts[0], acc=hl.dot(s_parts[0], a_parts[1], acc=acc1))
                         if operand_parts == 3:
-                            prod = hl.dot(s_parts[0], a_parts[2], acc=prod)
-                            prod = hl.dot(s_parts[1], a_parts[1], acc=prod)
-                            prod = hl.dot(s_parts[2], a_parts[0], acc=prod)
+                            acc2 = hl.dot(s_parts[2], a_parts[0], acc=hl.dot(s_parts[0], a_parts[2], acc=acc2))
+                            acc0 = hl.dot(s_parts[1], a_parts[1], acc=acc0)
                     else:  # a bf16 checkpoint is an exact operand
-                        prod = hl.dot(s0, a_parts[1], acc=hl.dot(s0, a_parts[0], acc=prod))
+                        acc0 = hl.dot(s0, a_parts[0], acc=acc0)
+                        acc1 = hl.dot(s0, a_parts[1], acc=acc1)
                         if operand_parts == 3:
-                            prod = hl.dot(s0, a_parts[2], acc=prod)
+                            acc2 = hl.dot(s0, a_parts[2], acc=acc2)
+                    prod = acc0 + acc1
+                    if operand_parts == 3:
+                        prod = prod + acc2
                     pk = [torch.sum(torch.where(col == t, prod, 0.0), dim=1) for t in hl.static_range(T)]
                     pq = [torch.sum(torch.where(col == T + t, prod, 0.0), dim=1) for t in hl.static_range(T)]
-                    vs = [hl.load(v4, [row, t, hv, rows], extra_mask=live).to(torch.float32)
-                          for t in hl.static_range(T)]
+                    vs = [torch.sum(torch.where(tt[None, :] == t, v_tile, 0.0), dim=1) for t in hl.static_range(T)]
                     deltas, outs = solve_chunk(pk, pq, vs, betas, nk, mq, T)
                     for t in hl.static_range(T):
                         hl.store(out4, [row, t, hv, rows], outs[t].to(out4.dtype), extra_mask=live)
