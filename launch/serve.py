@@ -206,6 +206,9 @@ class Engine:
         self.life = Lifecycle(args, self.pool, self.device)
         self.stats = dict(prefill_tokens=0, prefill_s=0.0, prefill_steps=0, decode_tokens=0, decode_s=0.0,
                           decode_steps=0, decode_rows=0, decode_live=0)
+        # each kind's first step (its tokens and seconds): it compiles the kernels (and FLA's chunk_kda autotunes on
+        # its first call), so the rates leave it out where later steps exist
+        self.first = dict(prefill=(0, 0.0), decode=(0, 0.0))
         self._last_progress = 0.0
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -250,9 +253,7 @@ class Engine:
         nxt = self._greedy(logits)
         self._check_slots("prefill")  # the step synced anyway (it read cu_seqlens; the greedy tokens went to the host)
         self._sync()
-        self.stats["prefill_s"] += time.perf_counter() - t0
-        self.stats["prefill_tokens"] += cu[-1]
-        self.stats["prefill_steps"] += 1
+        self._count("prefill", cu[-1], time.perf_counter() - t0)
         for i, (r, p) in enumerate(zip(reqs, pieces)):
             r.prefilled += len(p)
             if r.prefilled == len(r.prompt):
@@ -286,16 +287,27 @@ class Engine:
             out = self.spec.step(rows, ids)
         self._check_slots("decode")  # the step synced anyway (the greedy tokens went to the host)
         self._sync()
-        self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["decode_steps"] += 1
+        seconds = time.perf_counter() - t0
         self.stats["decode_rows"] += len(rows)
         self.stats["decode_live"] += len(out)
+        emitted = 0
         for i, (toks, logits) in out.items():
             r = rows[i]
             for tok, row_logits in zip(toks, logits):
                 if len(r.generated) < r.max_new:  # a speculative step may find more tokens than the request wants
                     self._emit(r, tok, row_logits)
-                    self.stats["decode_tokens"] += 1
+                    emitted += 1
+        self._count("decode", emitted, seconds)
+
+    def _count(self, kind: str, tokens: int, seconds: float) -> None:
+        """A finished step's tokens and time; the first step of each kind is also kept apart (and logged)."""
+        if self.stats[f"{kind}_steps"] == 0:
+            self.first[kind] = (tokens, seconds)
+            log.info("first %s step: %d tokens in %.2f s (first calls compile or tune kernels; the rates leave it "
+                     "out)", kind, tokens, seconds)
+        self.stats[f"{kind}_tokens"] += tokens
+        self.stats[f"{kind}_s"] += seconds
+        self.stats[f"{kind}_steps"] += 1
 
     def retire(self) -> None:
         """Requests with all their tokens give their slot back (``pool.free``). (Preemptions, with

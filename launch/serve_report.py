@@ -21,7 +21,17 @@ import torch
 
 log = logging.getLogger("serve")
 
-__all__ = ["check_tokens", "reference", "summary", "tokens_digest"]
+__all__ = ["check_tokens", "reference", "steady_rate", "summary", "tokens_digest"]
+
+
+def steady_rate(stats: dict[str, Any], first: tuple[int, float], kind: str) -> tuple[float, str]:
+    """Tokens/s of ``kind``'s steps after its first (which compiles the kernels), and the words saying so; all steps
+    when there is only one."""
+    tokens, seconds, steps = stats[f"{kind}_tokens"], stats[f"{kind}_s"], stats[f"{kind}_steps"]
+    if steps < 2:
+        return tokens / max(seconds, 1e-9), ""
+    return ((tokens - first[0]) / max(seconds - first[1], 1e-9),
+            f"; the rate leaves out the first step, {first[0]} tokens in {first[1]:.3f} s")
 
 
 def reference(engine: Any) -> tuple[Any, str]:
@@ -93,8 +103,7 @@ def summary(engine: Any, wall: float, check: dict[str, Any]) -> None:
     e.dist.all_gather_object(every, mine)
     if e.rank == 0:
         s, a, c = e.stats, e.args, e.cfg
-        pre = s["prefill_tokens"] / max(s["prefill_s"], 1e-9)
-        dec = s["decode_tokens"] / max(s["decode_s"], 1e-9)
+        rate = {kind: steady_rate(s, e.first[kind], kind) for kind in ("prefill", "decode")}
         lines = [
             "=" * 72,
             f"serve summary: {e.world} ranks on {e.device.type}, {c.layers} blocks, hidden {c.hidden}, KDA "
@@ -102,11 +111,11 @@ def summary(engine: Any, wall: float, check: dict[str, Any]) -> None:
             f"{a.batch} slots, L={a.ring_length}, cache {e.pool.cache_dtype}",
             f"  requests {len(e.finished)}: prompts {sum(len(r.prompt) for r in e.finished)} tokens, "
             f"generated {sum(len(r.generated) for r in e.finished)} tokens, wall {wall:.2f} s",
-            f"  prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s = {pre:.1f} tokens/s "
-            f"({s['prefill_steps']} packed steps, chunk {a.prefill_chunk or 'whole prompt'})",
-            f"  decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s = {dec:.1f} tokens/s "
+            f"  prefill: {s['prefill_tokens']} tokens in {s['prefill_s']:.3f} s = {rate['prefill'][0]:.1f} tokens/s "
+            f"({s['prefill_steps']} packed steps, chunk {a.prefill_chunk or 'whole prompt'}{rate['prefill'][1]})",
+            f"  decode: {s['decode_tokens']} tokens in {s['decode_s']:.3f} s = {rate['decode'][0]:.1f} tokens/s "
             f"({s['decode_steps']} steps of {a.batch} rows, {s['decode_live'] / max(s['decode_rows'], 1):.0%} "
-            f"live)",
+            f"live{rate['decode'][1]})",
         ]
         if e.spec is not None:
             lines.append(e.spec.summary(s["decode_tokens"], s["decode_live"]))
