@@ -29,7 +29,8 @@ Commands (the H200; ``source benchmarks/device_setup.sh`` first)::
     python3 benchmarks/bench_spec.py --quick           # 4 shapes
     python3 benchmarks/bench_spec.py --dry-run         # shapes, plans and byte floors; any machine
 
-Writes ``bench_spec.json`` into ``--out`` (else ``$OUT``, else ``benchmarks/out/``) and prints the table last.
+Writes ``bench_spec.json`` into ``--out`` (else ``$OUT``, else ``benchmarks/out/``) after every shape and prints the
+table last.
 """
 
 from __future__ import annotations
@@ -368,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     l2 = getattr(props, "L2_cache_size", 60 * 2**20)
     bw = measure_copy_bandwidth(torch.device("cuda"), 1024)
     log.info("%s, copy bandwidth %.0f GB/s", props.name, bw["copy_gbps"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv, "device": props.name, "copy_gbps": bw["copy_gbps"], "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     for s in shapes(args):
         try:
             rows.append(run_shape(s, args, l2, bw["copy_gbps"]))
@@ -377,10 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info(table(rows[-1:])[-1])
         if "kernel_us" in rows[-1]:
             log.info("  kernels (us per step): %s", rows[-1]["kernel_us"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    meta = {"argv": sys.argv, "device": props.name, "copy_gbps": bw["copy_gbps"], "torch": torch.__version__,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-    (out_dir / "bench_spec.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
+        # after every shape, so that a run cut by a time limit keeps the rows it timed
+        (out_dir / "bench_spec.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str))
     print("\n".join(table(rows)))
     return 0
 
