@@ -291,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"bench_layer: {meta['device']}, torch {meta['torch']}, fla {meta['fla']}; hidden {args.hidden}, "
         f"{args.heads} heads at TP1, K=V={args.head_dim}, L={args.ring_length}, state {args.state}")
     records, failed = [], 0
+    out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "out")
+    out.mkdir(parents=True, exist_ok=True)
     for tp in (int(t) for t in args.tp.split(",")):
         for B in (int(b) for b in args.batch.split(",")):
             try:
@@ -304,9 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 torch.cuda.empty_cache()
             log(f"tp {tp} B {B}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                                for k, v in rec.items() if k not in ("tp", "B")))
-    out = Path(args.out or os.environ.get("OUT") or REPO / "benchmarks" / "out")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_layer.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
+            # after every shape, so that a run cut by a time limit keeps the shapes it timed
+            (out / "bench_layer.json").write_text(json.dumps(dict(meta=meta, records=records), indent=1))
     log("== bench_layer (us per decode step; rec_share = the recurrence's share of our layer step)")
     for line in table(records):
         log(line)

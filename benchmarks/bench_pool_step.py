@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {'fused' if fused else 'decode+advance'}: "
                       f"{row['us_per_step']:8.2f} us/step (min {row['us_min']:.2f}; {row['sets']} sets; "
                       f"{time.time() - t0:.0f} s)", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+                if args.out:  # after every shape, so that a run cut by a time limit keeps the shapes it timed
+                    with open(args.out, "w") as f:
+                        json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
