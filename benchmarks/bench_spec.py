@@ -54,6 +54,8 @@ for _path in (REPO, REPO / "benchmarks"):
 
 import torch  # noqa: E402
 
+from plan_args import verify_override_arg  # noqa: E402
+
 log = logging.getLogger("bench_spec")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -111,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--forms", default="tensor-cores",
                    help="verify kernel forms to time, comma-separated: tensor-cores, cuda-cores")
-    p.add_argument("--override", action="append", default=[], type=verify_override, metavar="FIELD=VALUE,...",
+    p.add_argument("--override", action="append", default=[], type=verify_override_arg, metavar="FIELD=VALUE,...",
                    help="(repeatable) also time each shape with the library's verify plan with these VerifyPlan "
                         "fields replaced, e.g. value_chunk=32,num_warps=8 or operand_parts=2")
     args = p.parse_args(argv)
@@ -120,27 +122,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.accept <= args.drafts < args.ring:
         p.error("need 1 <= --accept <= --drafts < --ring")
     return args
-
-
-def verify_override(text: str) -> dict[str, Any]:
-    """``argparse`` type of ``--override``: ``field=value[,field=value...]`` of ``VerifyPlan`` -> dict of ints and
-    bools, the names checked."""
-    import dataclasses
-
-    from tp_replayssm.kernels.verify_plan import VerifyPlan
-
-    fields = {f.name for f in dataclasses.fields(VerifyPlan)}
-    out: dict[str, Any] = {}
-    for item in text.split(","):
-        name, sep, value = (part.strip() for part in item.partition("="))
-        if not sep or name not in fields:
-            raise argparse.ArgumentTypeError(f"expected field=value with field one of {sorted(fields)}; got {item!r}")
-        v = value.lower()
-        try:
-            out[name] = v in ("true", "on") if v in ("true", "false", "on", "off") else int(v)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected an int or true/false; got {value!r}") from None
-    return out
 
 
 def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:

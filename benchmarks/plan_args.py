@@ -19,20 +19,24 @@ import argparse
 import dataclasses
 from typing import Any
 
-__all__ = ["build_plan", "override_arg", "problem"]
+__all__ = ["build_plan", "override_arg", "problem", "verify_override_arg"]
 
 
-def _fields() -> dict[str, type]:
-    from tp_replayssm.kernels.plan import DecodePlan
+def _fields(plan_type: type | None = None) -> dict[str, type]:
+    """The fields of ``plan_type`` (a plan dataclass; default ``DecodePlan``)."""
+    if plan_type is None:
+        from tp_replayssm.kernels.plan import DecodePlan
 
-    return {f.name: f.type for f in dataclasses.fields(DecodePlan)}
+        plan_type = DecodePlan
+    return {f.name: f.type for f in dataclasses.fields(plan_type)}
 
 
-def override_arg(text: str) -> dict[str, Any]:
-    """``argparse`` type of ``--override``: ``field=value[,field=value...]`` -> dict (ints, bools, ``none``)."""
+def override_arg(text: str, plan_type: type | None = None) -> dict[str, Any]:
+    """``argparse`` type of ``--override``: ``field=value[,field=value...]`` of ``plan_type``'s fields (default
+    ``DecodePlan``) -> dict (ints, bools, ``none``)."""
     if not text:
         return {}
-    fields = _fields()
+    fields = _fields(plan_type)
     out: dict[str, Any] = {}
     for item in text.split(","):
         name, sep, value = item.partition("=")
@@ -50,6 +54,13 @@ def override_arg(text: str) -> dict[str, Any]:
             except ValueError:
                 raise argparse.ArgumentTypeError(f"{name}: expected an int, true/false or none; got {value!r}") from None
     return out
+
+
+def verify_override_arg(text: str) -> dict[str, Any]:
+    """:func:`override_arg` for the fields of ``VerifyPlan`` (``benchmarks/bench_spec.py --override``)."""
+    from tp_replayssm.kernels.verify_plan import VerifyPlan
+
+    return override_arg(text, VerifyPlan)
 
 
 def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int = 128, value_dim: int = 128,
