@@ -23,7 +23,10 @@ def _num(text: str) -> float | None:
 
 def summarize(lines: list[str], top: int = 45) -> list[str]:
     """The report's text lines for the CSV ``lines`` of ncu's SASS source page (banner lines are skipped)."""
-    reader = csv.reader([ln for ln in lines if ln.startswith('"')])
+    quoted = [ln for ln in lines if ln.startswith('"')]
+    # newer ncu versions put a "Kernel Name" line above the header: the header is the first line naming the address
+    start = next((i for i, ln in enumerate(quoted) if ln.startswith('"Address"')), 0)
+    reader = csv.reader(quoted[start:])
     header = next(reader, [])
     rows = [dict(zip(header, rec)) for rec in reader]  # extra trailing fields (ncu adds some) are dropped
     if not rows:

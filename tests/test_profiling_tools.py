@@ -69,6 +69,9 @@ def test_ncu_hot_ranks_instructions_by_samples_and_tolerates_extra_fields() -> N
     assert ranked[0].lstrip().startswith("60.0%") and "BAR.SYNC" in ranked[0] and "stall_barrier=55" in ranked[0]
     assert ranked[1].lstrip().startswith("30.0%") and "stall_long_sb=27" in ranked[1]
     assert ncu_hot.summarize(["not csv\n"]) == ["ncu_hot: no rows"]
+    # newer ncu versions put a quoted "Kernel Name" line above the header
+    banner = ['"Kernel Name","_helion_replayssm_verify_mma_kernel",\n'] + csv_lines[1:]
+    assert [ln for ln in ncu_hot.summarize(banner, top=2) if "%" in ln and "0x" in ln] == ranked
 
 
 # --- plan_args: launch plans from a command line -----------------------------------------------------------------

@@ -162,6 +162,39 @@ def test_mma_verify_rebase() -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
+@pytest.mark.parametrize("T", [1, 2, 5, 15])
+def test_substitution_folded_into_operands_matches_the_chunk_form(T: int) -> None:
+    """``[Delta; Out] = A^T S^T + E^T V`` with the operands of ``verify_math.combination`` / ``output_columns`` /
+    ``value_matrix`` equals ``solve_chunk``'s forward substitution on the products, in float64, for random couplings
+    of a tree (the couplings of non-ancestors are zero) and random values."""
+    from tp_replayssm.kernels import verify_math as vm
+
+    gen = torch.Generator().manual_seed(T)
+    K, Vc, N = 9, 7, max(16, 1 << (2 * T - 1).bit_length())
+    dt = torch.float64
+    parents = [-1] + [int(torch.randint(-1, t, (), generator=gen)) for t in range(1, T)]
+    anc = vm.ancestry([torch.tensor(p) for p in parents], T)
+    nk = [[anc[t][u] * torch.randn((), generator=gen, dtype=dt) for u in range(t)] for t in range(T)]
+    mq = [[anc[t][u] * torch.randn((), generator=gen, dtype=dt) for u in range(t)]
+          + [torch.randn((), generator=gen, dtype=dt)] for t in range(T)]
+    betas = [torch.rand((), generator=gen, dtype=dt) for _ in range(T)]
+    S = torch.randn(Vc, K, generator=gen, dtype=dt)
+    aks = [torch.randn(1, K, generator=gen, dtype=dt) for _ in range(T)]
+    aqs = [torch.randn(1, K, generator=gen, dtype=dt) for _ in range(T)]
+    V = torch.zeros(N, Vc, dtype=dt)
+    V[:T] = torch.randn(T, Vc, generator=gen, dtype=dt)
+    deltas, outs = vm.solve_chunk([S @ a[0] for a in aks], [S @ a[0] for a in aqs], list(V[:T]), betas, nk, mq, T)
+    alpha, gamma = vm.combination(betas, nk, mq, T)
+    cols_d, cols_o = vm.output_columns(aks, aqs, alpha, gamma, T)
+    n = torch.arange(N)
+    At = vm.column_matrix(cols_d, cols_o, n[:, None], T)  # [N, K]
+    Et = vm.value_matrix(alpha, gamma, n[None, :], n[:, None], T)  # [N, N]
+    res = At @ S.T + Et @ V
+    torch.testing.assert_close(res[:T], torch.stack(deltas), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(res[T:2 * T], torch.stack(outs), rtol=1e-12, atol=1e-12)
+    assert (res[2 * T:] == 0).all()
+
+
 def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
     """A bf16 or fp32 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the
     tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one,
@@ -170,7 +203,10 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
     plan = verify_plan.plan_verify(verify_plan.VerifyProblem(**base))
-    assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 16 and plan.columns == 16
+    assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 32 and plan.columns == 16
+    assert plan.operand_parts == 2 and plan.constexprs()["fold_chunk"] == 16
+    one_row = verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": 1}))
+    assert one_row.value_tile == 32 and one_row.value_chunk == 32 and one_row.tile_readers == 4
     assert "columns" in plan.constexprs() and "doubling_steps" not in plan.constexprs()
     for change, why in ((dict(ring_layout="sglang"), "layout"), (dict(cache_dtype=torch.float32), "bf16"),
                         (dict(drafts=16, ring_length=20), "drafts"), (dict(key_dim=96), "key_dim")):
@@ -186,7 +222,7 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
             verify_plan.plan_verify(problem, tensor_cores=True)
     assert not verify_plan.plan_verify(verify_plan.VerifyProblem(**base), tensor_cores=False).tensor_cores
     fp32 = verify_plan.VerifyProblem(**{**base, "state_dtype": torch.float32})
-    assert verify_plan.plan_verify(fp32).tensor_cores
+    assert verify_plan.plan_verify(fp32).tensor_cores and verify_plan.plan_verify(fp32).operand_parts == 3
     assert not verify_plan.plan_verify(fp32, tensor_cores=False).tensor_cores
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "drafts": 9})).columns == 32
 

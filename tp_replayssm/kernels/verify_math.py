@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestry", "bf16_parts", "column_matrix", "min_log_decay", "pair_terms", "path_sums", "solve_chunk",
-           "stack_rows"]
+__all__ = ["ancestry", "bf16_parts", "column_matrix", "combination", "min_log_decay", "output_columns", "pair_terms",
+           "path_sums", "solve_chunk", "stack_rows", "value_matrix"]
 
 
 def ancestry(parents, T: int):  # noqa: ANN001, ANN201 - traced by Helion
@@ -70,7 +70,9 @@ def pair_terms(qs, ks, gam, anc, betas, T: int):  # noqa: ANN001, ANN201 - trace
 
 
 def solve_chunk(pk, pq, vs, betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - traced by Helion
-    """One value chunk's draft deltas and outputs (``[Vc]`` each) from the products with the committed state
+    """The forward substitution in its readable form (the kernel runs it folded into its operands,
+    :func:`combination`; tests check the two agree): one value chunk's draft deltas and outputs (``[Vc]`` each) from
+    the products with the committed state
     ``pk[t] = S_c' @ k_t``, ``pq[t]`` likewise with ``q_t``: forward substitution along each draft's ancestors,
     ``delta_t = beta_t (v_t - pk_t) - sum_{u<t} nk[t][u] delta_u`` and
     ``out_t = pq_t + sum_{u<=t} mq[t][u] delta_u``."""
@@ -85,6 +87,62 @@ def solve_chunk(pk, pq, vs, betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - tr
             o = o + mq[t][u] * deltas[u]
         outs.append(o)
     return deltas, outs
+
+
+def combination(betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """:func:`solve_chunk`'s forward substitution done once, on the per-program scalars: with the residuals ``r_u =
+    v_u - pk_u``, ``delta_t = sum_{u<=t} alpha[t][u] r_u`` and ``out_t = pq_t + sum_{u<=t} gamma[t][u] r_u``, where
+    ``alpha[t][t] = beta_t``, ``alpha[t][u] = -sum_{u<=w<t} nk[t][w] alpha[w][u]`` and ``gamma[t][u] = sum_{u<=w<=t}
+    mq[t][w] alpha[w][u]`` (0-d fp32 tensors, lower-triangular lists)."""
+    alpha = []
+    for t in range(T):
+        row = []
+        for u in range(t):
+            s = -nk[t][u] * alpha[u][u]
+            for w in range(u + 1, t):
+                s = s - nk[t][w] * alpha[w][u]
+            row.append(s)
+        row.append(betas[t])
+        alpha.append(row)
+    gamma = []
+    for t in range(T):
+        row = []
+        for u in range(t + 1):
+            s = mq[t][u] * alpha[u][u]
+            for w in range(u + 1, t + 1):
+                s = s + mq[t][w] * alpha[w][u]
+            row.append(s)
+        gamma.append(row)
+    return alpha, gamma
+
+
+def output_columns(aks, aqs, alpha, gamma, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """The columns whose products with the committed state give the deltas and outputs directly (``[K, 1]`` each):
+    ``delta_t = S' @ (-sum_u alpha[t][u] ak_u) + sum_u alpha[t][u] v_u`` and ``out_t = S' @ (aq_t - sum_u gamma[t][u]
+    ak_u) + sum_u gamma[t][u] v_u``; the value terms are :func:`value_matrix`'s."""
+    cols_d, cols_o = [], []
+    for t in range(T):
+        d = -alpha[t][0] * aks[0]
+        o = aqs[t] - gamma[t][0] * aks[0]
+        for u in range(1, t + 1):
+            d = d - alpha[t][u] * aks[u]
+            o = o - gamma[t][u] * aks[u]
+        cols_d.append(d)
+        cols_o.append(o)
+    return cols_d, cols_o
+
+
+def value_matrix(alpha, gamma, row, col, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``E [N, N]`` fp32 (``row [N, 1]``, ``col [1, N]``): ``E[u, t] = alpha[t][u]``, ``E[u, T + t] = gamma[t][u]``
+    (``u <= t``), the rest zero, so ``V @ E`` with the drafts' values in columns ``u < T`` of ``V [Vc, N]`` is the
+    value part of every delta and output column (:func:`output_columns`)."""
+    e = torch.where((row == 0) & (col == 0), alpha[0][0], 0.0)
+    for t in range(T):
+        for u in range(t + 1):
+            if t > 0 or u > 0:
+                e = e + torch.where((row == u) & (col == t), alpha[t][u], 0.0)
+            e = e + torch.where((row == u) & (col == T + t), gamma[t][u], 0.0)
+    return e
 
 
 def column_matrix(aks, aqs, col, T: int):  # noqa: ANN001, ANN201 - traced by Helion

@@ -1,18 +1,23 @@
 """The tensor-core verify kernel: one launch per layer verifies ``T`` draft tokens per row on pre-decayed bf16 rings.
 
-One program per (row ``b``, q/k head ``h``, value head ``hv = h*r + sub``, value tile ``tv``), one warp, chunks of
-``value_chunk`` value rows, as the decode kernel. A program reads its checkpoint tile ONCE for all drafts and gets
-every draft's two products with the committed state from tensor-core products per chunk:
+One program per (row ``b``, q/k head ``h``, value head ``hv = h*r + sub``, value tile ``tv``), 4 warps, chunks of
+``value_chunk`` value rows. A program reads its checkpoint tile ONCE for all drafts and gets every draft's delta and
+output for a chunk straight from tensor-core products:
 
-    P [Vc, N] = S0 @ A + D^T @ W,   A [K, N] = [ak_0 .. ak_{T-1} | aq_0 .. aq_{T-1} | 0],   W = Kt @ A
+    [Delta; Out] [N, Vc] = A^T @ S0^T + W^T @ D + E^T @ V
 
-(``ak_t = exp(tot + Gam_t) * k_t``, ``aq_t`` likewise with ``q_t``; ``tot = G_{c-1}`` the committed cumulative gate,
-``Gam_t`` the drafts' gate sums along their own paths; ``D [Lb, Vc]`` the committed deltas and ``Kt [Lb, K]`` the
-pre-decayed keys ``kt_j``, both exact bf16 operands). ``A``, ``W`` and an fp32 checkpoint enter the products as two or
-three bf16 parts each (:func:`~.verify_math.bf16_parts`, fp32 accumulation), so the products are fp32-accurate to
-~2^-16 (two parts) or ~2^-24 (three). Column ``t`` of ``P`` is ``S_c' @ k_t``, column ``T + t`` is ``S_c' @ q_t``; the
-drafts then depend on each other through their ancestors' deltas only, a forward substitution over ``T`` on
-``[Vc]`` vectors with per-program scalars (:func:`~.verify_math.solve_chunk`).
+Draft ``t``'s delta and output are linear in the residuals ``v_u - S' k_u`` of its ancestors (the forward
+substitution of :func:`~.verify_math.solve_chunk`), so the prologue solves that substitution once on per-program
+scalars (:func:`~.verify_math.combination`: ``alpha``, ``gamma``) and folds it into the operands: row ``t`` of ``A^T
+[N, K]`` is ``-sum_u alpha[t][u] ak_u``, row ``T + t`` is ``aq_t - sum_u gamma[t][u] ak_u``
+(:func:`~.verify_math.output_columns`; ``ak_u = exp(tot + Gam_u) * k_u``, ``aq_t`` likewise with ``q_t``; ``tot =
+G_{c-1}`` the committed cumulative gate, ``Gam_t`` the drafts' gate sums along their own paths), ``W^T = A^T @ Kt^T
+[N, Lb]`` carries the committed deltas ``D [Lb, Vc]`` (``Kt [Lb, K]`` the pre-decayed keys ``kt_j``) and ``E^T [N,
+N]`` (:func:`~.verify_math.value_matrix`) the drafts' values ``V [N, Vc]`` (rows ``u < T``). The bf16 ring tiles and
+bf16 values are exact operands; ``A^T``, ``W^T``, ``E^T``, other values and an fp32 checkpoint enter as
+``operand_parts`` bf16 parts each (:func:`~.verify_math.bf16_parts`, fp32 accumulation: ~2^-16 relative with two
+parts, ~2^-24 with three). With 32-row chunks each of the 4 warps computes an 8-column slice of the ``[N, 32]``
+products.
 
 Writes as the CUDA-core verify kernel (:mod:`.verify`, docs/spec.md): the outputs, the drafts' ring entries at
 ``base + t`` (``base = 0`` when the row folds, else the cursor), no checkpoint except where the committed ring folds
@@ -32,8 +37,8 @@ import helion
 import helion.language as hl
 
 from .decode_math import gate_math, qk_math
-from .verify_math import (ancestry, bf16_parts, column_matrix, min_log_decay, pair_terms, path_sums, solve_chunk,
-                          stack_rows)
+from .verify_math import (ancestry, bf16_parts, column_matrix, combination, min_log_decay, output_columns,
+                          pair_terms, path_sums, stack_rows, value_matrix)
 
 __all__ = ["replayssm_verify_mma_kernel", "verify_mma_kernel_for"]
 
@@ -76,6 +81,7 @@ def replayssm_verify_mma_kernel(
     predecayed_ring: hl.constexpr,  # 1: no rebase possible, 2: heads may rebase
     tree: hl.constexpr,
     tile_readers: hl.constexpr,  # programs per value head (ceil(V / value tile))
+    fold_chunk: hl.constexpr,  # value rows per step of the fold's pass (verify_plan.MMA_FOLD_CHUNK)
     named_block: hl.constexpr = 16,
     on_gpu: hl.constexpr = True,
 ) -> torch.Tensor:
@@ -96,6 +102,7 @@ def replayssm_verify_mma_kernel(
         hv = h * group + sub
         tt = hl.arange(draft_block)
         tlive = tt < T
+        vc = hl.arange(columns)  # the products' columns; as rows of the values' tile, the drafts u < T
         slot = slots[row]
         if slot >= 0:
             in_range = slot < num_slots
@@ -126,7 +133,7 @@ def replayssm_verify_mma_kernel(
             lead = tv.begin + hl.arange(value_chunk)
             s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)], extra_mask=(lead < tv.end)[:, None])
             d_next = hl.load(d_rows, [dr_base + j * dr_l, lead], extra_mask=valid[:, None] & (lead < tv.end)[None, :])
-            v_next = hl.load(v4, [row, tt, hv, lead], extra_mask=tlive[:, None] & (lead < tv.end)[None, :])  # [Tb, Vc]
+            v_next = hl.load(v4, [row, vc, hv, lead], extra_mask=(vc < T)[:, None] & (lead < tv.end)[None, :])  # [N, Vc]
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             if ok:
@@ -157,8 +164,8 @@ def replayssm_verify_mma_kernel(
                 if drop:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot) (rare):
                     # the drafts then start from S_c at the ring's new base (no ring term, tot = 0)
                     decay = torch.exp(tot)
-                    for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
-                        frows = fchunk + hl.arange(value_chunk)
+                    for fchunk in hl.grid(tv.begin, tv.end, fold_chunk):
+                        frows = fchunk + hl.arange(fold_chunk)
                         flive = frows < tv.end
                         f_s0 = hl.load(state_rows, [st_base + frows * st_v, slice(None)], extra_mask=flive[:, None])
                         f_d = hl.load(d_rows, [dr_base + j * dr_l, frows], extra_mask=valid[:, None] & flive[None, :])
@@ -169,24 +176,30 @@ def replayssm_verify_mma_kernel(
                             # other threads' loads of these rows must be done first (Helion orders read-after-write)
                             hl.inline_triton("tl.debug_barrier()", [], None)
                             hl.store(d_rows, [dr_base + j * dr_l, frows],
-                                     hl.zeros([ring_block, value_chunk], d_rows.dtype),
+                                     hl.zeros([ring_block, fold_chunk], d_rows.dtype),
                                      extra_mask=(j < emptied)[:, None] & flive[None, :])
                     hl.inline_triton("tl.debug_barrier()", [], None)  # S_c's stores before the chunks read it
                     s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
                                      extra_mask=(lead < tv.end)[:, None])
                     tot = tot * 0.0
                 ring_live = (j < torch.where(drop, 0, cur)) & (j < ring_length)  # the entries the products read
-                # the products' operands: A [K, N] and W = Kt @ A [Lb, N] (zero once folded), as bf16 parts
-                col = hl.arange(columns)[None, :]
-                aks = [(torch.exp(tot + gam[t]) * ks[t])[:, None] for t in hl.static_range(T)]
-                aqs = [(torch.exp(tot + gam[t]) * qs[t])[:, None] for t in hl.static_range(T)]
-                a_parts = bf16_parts(column_matrix(aks, aqs, col, T), operand_parts)
-                k_prod = torch.where(ring_live[:, None], k_ring, 0.0).to(k_ring.dtype)
-                w_mat = hl.dot(k_prod, a_parts[1], acc=hl.dot(k_prod, a_parts[0]))
-                if operand_parts == 3:
-                    w_mat = hl.dot(k_prod, a_parts[2], acc=w_mat)
-                w_parts = bf16_parts(w_mat, operand_parts)
+                # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
+                # as bf16 parts: A^T [N, K] whose rows give every draft's delta and output (the forward substitution
+                # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero once
+                # folded) and the values' matrix E^T [N, N]
+                row_n = vc[:, None]
+                aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
+                aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
                 nk, mq = pair_terms(qs, ks, gam, anc, betas, T)
+                alpha, gamma = combination(betas, nk, mq, T)
+                cols_d, cols_o = output_columns(aks, aqs, alpha, gamma, T)
+                at_parts = bf16_parts(column_matrix(cols_d, cols_o, row_n, T), operand_parts)
+                et_parts = bf16_parts(value_matrix(alpha, gamma, vc[None, :], row_n, T), operand_parts)
+                k_prod = torch.where(ring_live[:, None], k_ring, 0.0).to(k_ring.dtype).T  # [K, Lb]
+                w_mat = hl.dot(at_parts[1], k_prod, acc=hl.dot(at_parts[0], k_prod))
+                if operand_parts == 3:
+                    w_mat = hl.dot(at_parts[2], k_prod, acc=w_mat)
+                wt_parts = bf16_parts(w_mat, operand_parts)
                 # per-head ring rows: the drafts' gates G_t (from the base) and keys kt_t at base + t, and a rebase's
                 # new base G_{c-1} = 0
                 t_col = tt[:, None]
@@ -213,49 +226,59 @@ def replayssm_verify_mma_kernel(
                         hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=tlive[:, None])
                 if (hv == 0) & (tv.begin == 0):
                     folded[s64] = torch.where(fold, 1, 0)
-                # the value chunks: every draft's products, outputs and deltas (the drafts' ring rows lie at
-                # base + t, beyond the committed entries or over folded ones: no chunk reads them)
+                # the value chunks: every draft's delta and output straight from the products (the drafts' ring rows
+                # lie at base + t, beyond the committed entries or over folded ones: no chunk reads them)
                 for chunk in hl.grid(tv.begin, tv.end, value_chunk):
                     rows = chunk + hl.arange(value_chunk)
                     live = rows < tv.end
                     s0 = s_next  # [Vc, K]
-                    d_t = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype).T  # [Vc, Lb] bf16
+                    d_cur = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype)  # [Lb, Vc] bf16
+                    v_cur = v_next  # [N, Vc]: the drafts' values of this chunk in rows u < T
                     after = rows + value_chunk  # the next chunk's loads in flight during this one's math
                     s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
                                      extra_mask=(after < tv.end)[:, None])
                     d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
                                      extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
-                    v_tile = v_next.to(torch.float32).T  # [Vc, Tb]: the drafts' values of this chunk
-                    v_next = hl.load(v4, [row, tt, hv, after], extra_mask=tlive[:, None] & (after < tv.end)[None, :])
-                    # P = D^T W + S0 A as independent accumulator chains (one per operand part of A and W), summed
-                    # at the end: each chain is a third of the tensor-core steps, so their latencies overlap
-                    acc0 = hl.dot(d_t, w_parts[0])  # [Vc, N] fp32
-                    acc1 = hl.dot(d_t, w_parts[1])
+                    v_next = hl.load(v4, [row, vc, hv, after], extra_mask=(vc < T)[:, None] & (after < tv.end)[None, :])
+                    # [Delta; Out] = W^T D + A^T S0^T + E^T V as independent accumulator chains (one per operand
+                    # part), summed at the end: each chain is a third of the tensor-core steps, so their latencies
+                    # overlap
+                    acc0 = hl.dot(wt_parts[0], d_cur)  # [N, Vc] fp32
+                    acc1 = hl.dot(wt_parts[1], d_cur)
                     if operand_parts == 3:
-                        acc2 = hl.dot(d_t, w_parts[2])
+                        acc2 = hl.dot(wt_parts[2], d_cur)
                     if fp32_state:  # the checkpoint rows as bf16 parts too: every part pair above 2^-(8 parts)
-                        s_parts = bf16_parts(s0, operand_parts)
-                        acc0 = hl.dot(s_parts[0], a_parts[0], acc=acc0)
-                        acc1 = hl.dot(s_parts[1], a_parts[0], acc=hl.dot(s_parts[0], a_parts[1], acc=acc1))
+                        s_parts = [part.T for part in bf16_parts(s0, operand_parts)]  # [K, Vc]
+                        acc0 = hl.dot(at_parts[0], s_parts[0], acc=acc0)
+                        acc1 = hl.dot(at_parts[0], s_parts[1], acc=hl.dot(at_parts[1], s_parts[0], acc=acc1))
                         if operand_parts == 3:
-                            acc2 = hl.dot(s_parts[2], a_parts[0], acc=hl.dot(s_parts[0], a_parts[2], acc=acc2))
-                            acc0 = hl.dot(s_parts[1], a_parts[1], acc=acc0)
+                            acc2 = hl.dot(at_parts[0], s_parts[2], acc=hl.dot(at_parts[2], s_parts[0], acc=acc2))
+                            acc0 = hl.dot(at_parts[1], s_parts[1], acc=acc0)
                     else:  # a bf16 checkpoint is an exact operand
-                        acc0 = hl.dot(s0, a_parts[0], acc=acc0)
-                        acc1 = hl.dot(s0, a_parts[1], acc=acc1)
+                        s0t = s0.T
+                        acc0 = hl.dot(at_parts[0], s0t, acc=acc0)
+                        acc1 = hl.dot(at_parts[1], s0t, acc=acc1)
                         if operand_parts == 3:
-                            acc2 = hl.dot(s0, a_parts[2], acc=acc2)
-                    prod = acc0 + acc1
+                            acc2 = hl.dot(at_parts[2], s0t, acc=acc2)
+                    if v4.dtype == torch.bfloat16:  # bf16 values are an exact operand
+                        acc0 = hl.dot(et_parts[0], v_cur, acc=acc0)
+                        acc1 = hl.dot(et_parts[1], v_cur, acc=acc1)
+                        if operand_parts == 3:
+                            acc2 = hl.dot(et_parts[2], v_cur, acc=acc2)
+                    else:  # others as bf16 parts, the part pairs above 2^-(8 parts) as for the checkpoint
+                        v_parts = bf16_parts(v_cur.to(torch.float32), operand_parts)
+                        acc0 = hl.dot(et_parts[0], v_parts[0], acc=acc0)
+                        acc1 = hl.dot(et_parts[0], v_parts[1], acc=hl.dot(et_parts[1], v_parts[0], acc=acc1))
+                        if operand_parts == 3:
+                            acc2 = hl.dot(et_parts[0], v_parts[2], acc=hl.dot(et_parts[2], v_parts[0], acc=acc2))
+                            acc0 = hl.dot(et_parts[1], v_parts[1], acc=acc0)
+                    res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output
                     if operand_parts == 3:
-                        prod = prod + acc2
-                    pk = [torch.sum(torch.where(col == t, prod, 0.0), dim=1) for t in hl.static_range(T)]
-                    pq = [torch.sum(torch.where(col == T + t, prod, 0.0), dim=1) for t in hl.static_range(T)]
-                    vs = [torch.sum(torch.where(tt[None, :] == t, v_tile, 0.0), dim=1) for t in hl.static_range(T)]
-                    deltas, outs = solve_chunk(pk, pq, vs, betas, nk, mq, T)
-                    for t in hl.static_range(T):
-                        hl.store(out4, [row, t, hv, rows], outs[t].to(out4.dtype), extra_mask=live)
-                        hl.store(d_rows, [dr_base + (base + t) * dr_l, rows], deltas[t].to(d_rows.dtype),
-                                 extra_mask=live)
+                        res = res + acc2
+                    hl.store(out4, [row, torch.where(vc >= T, vc - T, 0), hv, rows], res.to(out4.dtype),
+                             extra_mask=((vc >= T) & (vc < 2 * T))[:, None] & live[None, :])
+                    hl.store(d_rows, [dr_base + (base + torch.where(vc < T, vc, 0)) * dr_l, rows], res.to(d_rows.dtype),
+                             extra_mask=(vc < T)[:, None] & live[None, :])
             else:  # a refused row: a padding row, recorded once per row
                 hl.store(out4, [row, tt, hv, tv.index], hl.zeros([draft_block, tv], out4.dtype),
                          extra_mask=tlive[:, None])

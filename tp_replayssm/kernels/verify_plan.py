@@ -11,8 +11,10 @@ docs/spec.md):
 
 - the tensor-core form wherever it can run (:func:`tensor_core_refusal`: pre-decayed bf16 rings, power-of-two
   widths, at most :data:`MMA_MAX_DRAFTS` drafts; bf16 and fp32 checkpoints, the latter as three bf16 parts; on the
-  H200 it is 1.9-3.9x faster than the CUDA-core form, docs/spec.md): :data:`MMA_WARPS`-warp programs over 16-row chunks, the narrowest value tile
-  of 16 / 32 / 64 rows whose grid fits one wave of :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``;
+  H200 it is 1.9-3.9x faster than the CUDA-core form, docs/spec.md): :data:`MMA_WARPS`-warp programs over
+  :data:`MMA_VALUE_CHUNK`-row chunks, the narrowest value tile of 32 / 64 rows whose grid fits one wave of
+  :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``; two bf16 parts per fp32 operand with a bf16
+  checkpoint, three with fp32;
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
@@ -39,13 +41,21 @@ PROGRAMS_PER_SM = 3
 # with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
 CHUNK_DRAFT_ROWS = 32
 NUM_WARPS = 4
-# the tensor-core form (kernels/verify_mma.py): its operands' bf16 parts; its most drafts
+# the tensor-core form (kernels/verify_mma.py): its fp32 operands' bf16 parts (3: fp32-accurate products; with a bf16
+# checkpoint 2, ~2^-16 relative, far below the bf16 rings' and outputs' rounding, and 9-37% faster on the H200,
+# docs/spec.md); its most drafts
 MMA_OPERAND_PARTS = 3
+MMA_OPERAND_PARTS_BF16_STATE = 2
 MMA_MAX_DRAFTS = 15
-# its programs: 4 warps (206-238 registers per thread at K = 128, T = 4, no spills; one warp spilled 1.3 KiB) and
-# 16-row chunks, 2 resident per SM (sm_90, triton 3.6, benchmarks/spec_regs.py)
+# its programs: 4 warps over 32-row chunks (each warp an 8-row slice of the [N, 32] products; 16-row chunks made
+# every warp compute all of them), 2 resident per SM (255 registers per thread at K = 128, T = 4, no spills with a
+# bf16 checkpoint, 24 B with fp32; one warp spilled; sm_90, triton 3.6, benchmarks/spec_regs.py)
 MMA_WARPS = 4
+MMA_VALUE_CHUNK = 32
 MMA_PROGRAMS_PER_SM = 2
+# value rows per step of a folding program's pass over its tile: [16, K] tiles whatever the chunk loop's size, so
+# the rare fold keeps the registers of the every-step loop free (32-row fold steps spilled on sm_90)
+MMA_FOLD_CHUNK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +129,7 @@ class VerifyPlan:
                       predecayed_ring=self.predecayed_ring, tree=self.tree, tile_readers=self.tile_readers,
                       named_block=self.named_block, on_gpu=self.on_gpu)
         if self.tensor_cores:
-            return dict(common, columns=self.columns, operand_parts=self.operand_parts)
+            return dict(common, columns=self.columns, operand_parts=self.operand_parts, fold_chunk=MMA_FOLD_CHUNK)
         return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
 
     @property
@@ -205,19 +215,23 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         mode = 2
     draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
     mma = not why if tensor_cores is None else tensor_cores
-    if mma:  # 4-warp programs of 16-row chunks; the narrowest value tile whose grid fits one wave
-        warps, chunk = MMA_WARPS, 16
+    parts = MMA_OPERAND_PARTS
+    if mma:  # 4-warp programs of 32-row chunks; the narrowest value tile of at least a chunk whose grid fits one wave
+        warps = MMA_WARPS
         if problem.device_type == "cuda":
             vt = full
-            for cand in (16, 32, 64):
+            for cand in (32, 64):
                 if cand < full and pairs * -(-V // cand) <= MMA_PROGRAMS_PER_SM * sms:
                     vt = cand
                     break
         vt = max(16, min(vt, full))
+        chunk = min(vt, MMA_VALUE_CHUNK)
+        if problem.state_dtype == torch.bfloat16:
+            parts = MMA_OPERAND_PARTS_BF16_STATE
     else:
         warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
-        value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=MMA_OPERAND_PARTS,
+        value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=parts,
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
