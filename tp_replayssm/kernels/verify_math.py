@@ -146,8 +146,9 @@ def value_matrix(alpha, gamma, row, col, T: int):  # noqa: ANN001, ANN201 - trac
 
 
 def column_matrix(aks, aqs, col, T: int):  # noqa: ANN001, ANN201 - traced by Helion
-    """``A [K, N]`` fp32: column ``t`` holds ``ak_t``, column ``T + t`` holds ``aq_t`` (``col [1, N]`` the column
-    index, the vectors come as ``[K, 1]``), the rest zero. ``S @ A`` gives every draft's two products at once."""
+    """``A [K, N]`` fp32: column ``t`` holds ``aks[t]``, column ``T + t`` holds ``aqs[t]`` (``col [1, N]`` the column
+    index, the vectors come as ``[K, 1]``), the rest zero; with ``col [N, 1]`` and ``[1, K]`` vectors, its transpose
+    ``A^T [N, K]`` (the kernel's form: rows :func:`output_columns`)."""
     a = torch.where(col == 0, aks[0], 0.0)
     for t in range(T):
         if t > 0:
