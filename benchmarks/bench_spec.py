@@ -22,6 +22,9 @@ What it measures, per shape (one layer, K = V = 128, L = 16, bf16 rings and acti
 - ``--override field=value,...`` (repeatable): each shape is also timed with the library's verify plan with those
   ``VerifyPlan`` fields replaced (``value_tile`` brings its ``tile_readers``), e.g. ``value_chunk=32`` or
   ``operand_parts=2``; the table's last column names the override.
+- ``--forms fla``: FLA's speculative-decoding verify in place of ours (vLLM's scheme for KDA, one state block
+  written per draft, the commit free: ``benchmarks/fla_spec.py``), its outputs checked against the pool's verify of
+  the same drafts first.
 
 Commands (the H200; ``source benchmarks/device_setup.sh`` first)::
 
@@ -112,7 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--forms", default="tensor-cores",
-                   help="verify kernel forms to time, comma-separated: tensor-cores, cuda-cores")
+                   help="verify kernel forms to time, comma-separated: tensor-cores, cuda-cores, fla (FLA's "
+                        "spec decoding, vLLM's scheme: benchmarks/fla_spec.py)")
     p.add_argument("--override", action="append", default=[], type=verify_override_arg, metavar="FIELD=VALUE,...",
                    help="(repeatable) also time each shape with the library's verify plan with these VerifyPlan "
                         "fields replaced, e.g. value_chunk=32,num_warps=8 or operand_parts=2")
@@ -125,16 +129,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def shapes(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (form, state, HV, B, plan override) to time: the library's plan first, then each ``--override``."""
+    """Every (form, state, HV, B, plan override) to time: the library's plan first, then each ``--override`` (not
+    for the ``fla`` form, which has no plan)."""
+    for f in args.forms.split(","):
+        form_flag(f)
     return [dict(B=int(b), HV=int(h), state=s, form=f, override=o) for f in args.forms.split(",")
             for s in args.state.split(",") for h in args.heads.split(",") for b in args.batch.split(",")
-            for o in [{}, *args.override]]
+            for o in ([{}] if f == "fla" else [{}, *args.override])]
 
 
 def form_flag(form: str) -> bool | None:
     """``tensor_cores`` of ``plan_verify`` for a ``--forms`` entry."""
-    if form not in ("tensor-cores", "cuda-cores"):
-        raise SystemExit(f"--forms: unknown form {form!r} (tensor-cores, cuda-cores)")
+    if form not in ("tensor-cores", "cuda-cores", "fla"):
+        raise SystemExit(f"--forms: unknown form {form!r} (tensor-cores, cuda-cores, fla)")
     return form == "tensor-cores"
 
 
@@ -262,6 +269,13 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
               "b": [mk(B, T, HV) for _ in range(n_in)], "x1": [mk(B, D) for _ in range(n_in)],
               "a1": [mk(B, HV * 128) for _ in range(n_in)], "b1": [mk(B, HV) for _ in range(n_in)]}
     lb = args.lower_bound
+    period = len(cycle(L, T, args.accept))
+    if shape["form"] == "fla":
+        import fla_spec
+
+        fla_spec.time_row(rec, pool, sets, inputs, params, lb, args.accept, DTYPES[shape["state"]], period,
+                          kernel_times, graph_us, args.rep_ms, args.seed + 2)
+        return decode_and_ratios(rec, pool, sets, inputs, params, args, shape, n_sets, model, gbps)
     from tp_replayssm.kernels.verify_plan import VerifyProblem, plan_verify
 
     plan = plan_verify(VerifyProblem(B, T, HV, HV, 128, 128, L, DTYPES[shape["state"]], torch.bfloat16, "cuda",
@@ -286,18 +300,27 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
             pool.commit(sets[i], accepted)
         return fn
 
+    rec["kernel_us"] = kernel_times([verify_step(i) for i in range(min(n_sets, 2 * period))])
+    rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period)
+    return decode_and_ratios(rec, pool, sets, inputs, params, args, shape, n_sets, model, gbps)
+
+
+def decode_and_ratios(rec: dict[str, Any], pool: Any, sets: list, inputs: dict, params: Any,
+                      args: argparse.Namespace, shape: dict[str, Any], n_sets: int, model: dict[str, float],
+                      gbps: float) -> dict[str, Any]:
+    """The row's decode step (timed once per shape) and its ratios; frees the pool."""
+    B, HV, T, L = shape["B"], shape["HV"], args.drafts, args.ring
+    n_in = len(inputs["x1"])
+
     def decode_step(i: int, fused: bool):  # noqa: ANN202
         def fn() -> None:
             j = i % n_in
             pool.decode(0, inputs["x1"][j], inputs["a1"][j], inputs["b1"][j], params.A_log, params.dt_bias, sets[i],
-                        lower_bound=lb, advance=fused)
+                        lower_bound=args.lower_bound, advance=fused)
             if not fused:
                 pool.advance(sets[i])
         return fn
 
-    period = len(cycle(L, T, args.accept))
-    rec["kernel_us"] = kernel_times([verify_step(i) for i in range(min(n_sets, 2 * period))])
-    rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period)
     key = (B, HV, shape["state"])  # the decode step is the same for every verify form: timed once per shape
     if key not in _DECODE_US:
         _DECODE_US[key] = (graph_us([decode_step(i, True) for i in range(n_sets)], args.rep_ms, L),

@@ -44,3 +44,60 @@ def test_override_names_plan_fields_and_times_the_library_plan_first() -> None:
                                   "operand_parts=2"])
     assert [(s["B"], s["override"]) for s in bench_spec.shapes(args)] == [
         (8, {}), (8, {"operand_parts": 2}), (32, {}), (32, {"operand_parts": 2})]
+
+
+def test_forms_accept_fla_without_plan_overrides_and_refuse_unknown_ones() -> None:
+    """``--forms fla`` adds rows with no plan override; an unknown form is refused by name."""
+    args = bench_spec.parse_args(["--forms", "tensor-cores,fla", "--batch", "8", "--heads", "32", "--state", "bf16",
+                                  "--override", "value_chunk=32"])
+    rows = bench_spec.shapes(args)
+    assert [(r["form"], r["override"]) for r in rows] == [("tensor-cores", {}), ("tensor-cores", {"value_chunk": 32}),
+                                                          ("fla", {})]
+    with pytest.raises(SystemExit, match="unknown form 'flash'"):
+        bench_spec.shapes(bench_spec.parse_args(["--forms", "flash"]))
+
+
+@pytest.mark.timeout(600)
+def test_fla_spec_matches_the_pool_verify_in_the_interpreter() -> None:
+    """FLA's spec-decoding verify (benchmarks/fla_spec.py), run in Triton's interpreter, gives the pool's verify
+    outputs for the same drafts from each row's committed state (both ring layouts, GQA, rings holding entries); its
+    state blocks take the drafts' states; a starting block outside 1..T is refused."""
+    import os
+    import subprocess
+
+    script = r'''
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import fla_spec
+from tp_replayssm import KDAHeads, ReplaySSMStatePool
+from tp_replayssm.testing import random_head_params
+torch.manual_seed(0)
+H, HV, K, V, B, T = 2, 4, 16, 16, 3, 3
+for layout in ("predecayed", "sglang"):
+    pool = ReplaySSMStatePool(KDAHeads(H, HV, K, V), num_layers=1, num_slots=6, ring_length=8,
+                              state_dtype=torch.float32, ring_layout=layout, device="cpu", cache_dtype=torch.float32)
+    ids = pool.alloc(6)
+    params = random_head_params(HV, K)
+    slots = ids[[4, 1, 2]].to(torch.int32)
+    for _ in range(3):
+        pool.decode(0, torch.randn(B, 2 * H * K + HV * V), torch.randn(B, HV * K), torch.randn(B, HV),
+                    params.A_log, params.dt_bias, slots, advance=True)
+    state = fla_spec.FlaSpecState.make(1, B, T, HV, K, V, accepted=2, device="cpu")
+    before = state.blocks.clone()
+    x, a, b = torch.randn(B, T, 2 * H * K + HV * V), torch.randn(B, T, HV * K), torch.randn(B, T, HV)
+    err = fla_spec.check(fla_spec.load_fla_fwd(), pool, slots, state, x, a, b, params, None)
+    assert err < 1e-5, (layout, err)
+    assert not torch.equal(state.blocks, before)
+    print("ok", layout, err)
+try:
+    fla_spec.FlaSpecState.make(1, 1, 3, 1, 16, 16, accepted=0, device="cpu")
+except ValueError as e:
+    assert "`accepted` must be in 1..T=3" in str(e)
+    print("refused")
+'''
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=560)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok ") == 2 and "refused" in proc.stdout, proc.stdout
