@@ -47,7 +47,7 @@ NUM_WARPS = 4
 MMA_OPERAND_PARTS = 3
 MMA_OPERAND_PARTS_BF16_STATE = 2
 MMA_MAX_DRAFTS = 15
-# its programs: 4 warps over 32-row chunks (each warp an 8-row slice of the [N, 32] products; 16-row chunks made
+# its programs: 4 warps over 32-row chunks (each warp an 8-column slice of the [N, 32] products; 16-row chunks made
 # every warp compute all of them), 2 resident per SM (255 registers per thread at K = 128, T = 4, no spills with a
 # bf16 checkpoint, 24 B with fp32; one warp spilled; sm_90, triton 3.6, benchmarks/spec_regs.py)
 MMA_WARPS = 4
@@ -188,6 +188,12 @@ def tensor_core_refusal(problem: VerifyProblem) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
+def _one_wave_tile(candidates: tuple[int, ...], full: int, pairs: int, V: int, wave: int) -> int:
+    """The narrowest value tile of ``candidates`` (below ``full``) whose grid of ``pairs * ceil(V / tile)`` programs
+    fits one wave of ``wave`` programs, else ``full``."""
+    return next((c for c in candidates if c < full and pairs * -(-V // c) <= wave), full)
+
+
 def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> VerifyPlan:
     """The launch plan of ``problem`` (module docstring). ``tensor_cores``: None takes the tensor-core form wherever
     it can run; False the CUDA-core form; True the tensor-core form (``ValueError`` with the reason where it cannot
@@ -199,12 +205,8 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
     full = max(16, 1 << (V - 1).bit_length())
     pairs = problem.batch * problem.num_v_heads
     sms = problem.sm_count if problem.device_type == "cuda" else H200_SMS
-    vt = full
     if problem.device_type == "cuda":
-        for cand in (16, 32, 64):
-            if cand < full and pairs * -(-V // cand) <= PROGRAMS_PER_SM * sms:
-                vt = cand
-                break
+        vt = _one_wave_tile((16, 32, 64), full, pairs, V, PROGRAMS_PER_SM * sms)
     else:  # the interpreter: small tiles, so tests reach the multi-tile paths
         vt = min(full, 16)
     if problem.ring_layout == "sglang":
@@ -219,11 +221,7 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
     if mma:  # 4-warp programs of 32-row chunks; the narrowest value tile of at least a chunk whose grid fits one wave
         warps = MMA_WARPS
         if problem.device_type == "cuda":
-            vt = full
-            for cand in (32, 64):
-                if cand < full and pairs * -(-V // cand) <= MMA_PROGRAMS_PER_SM * sms:
-                    vt = cand
-                    break
+            vt = _one_wave_tile((32, 64), full, pairs, V, MMA_PROGRAMS_PER_SM * sms)
         vt = max(16, min(vt, full))
         chunk = min(vt, MMA_VALUE_CHUNK)
         if problem.state_dtype == torch.bfloat16:
