@@ -75,7 +75,7 @@ def check(fwd: Callable[..., Any], pool: Any, slots: torch.Tensor, state: FlaSpe
     ``slots``); the relative error (Frobenius). The pool's step is then committed with no draft accepted."""
     heads = pool.local_heads
     start = state.indices[0][torch.arange(slots.shape[0], device=slots.device), state.accepted.long() - 1]
-    state.blocks[start.long()] = pool.read_state(0, slots)
+    state.blocks[start.long()] = pool.read_state(0, slots).to(state.blocks.dtype)
     inputs = split_inputs(x, a, b, heads.num_q_heads, heads.num_v_heads, heads.key_dim, heads.value_dim)
     got = step(fwd, state, 0, inputs, params.A_log, params.dt_bias, lower_bound, torch.empty_like(inputs["v"]))
     want = pool.verify(0, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=lower_bound)

@@ -60,8 +60,8 @@ def test_forms_accept_fla_without_plan_overrides_and_refuse_unknown_ones() -> No
 @pytest.mark.timeout(600)
 def test_fla_spec_matches_the_pool_verify_in_the_interpreter() -> None:
     """FLA's spec-decoding verify (benchmarks/fla_spec.py), run in Triton's interpreter, gives the pool's verify
-    outputs for the same drafts from each row's committed state (both ring layouts, GQA, rings holding entries); its
-    state blocks take the drafts' states; a starting block outside 1..T is refused."""
+    outputs for the same drafts from each row's committed state (both ring layouts, fp32 and bf16 states, GQA, rings
+    holding entries); its state blocks take the drafts' states; a starting block outside 1..T is refused."""
     import os
     import subprocess
 
@@ -73,20 +73,20 @@ from tp_replayssm import KDAHeads, ReplaySSMStatePool
 from tp_replayssm.testing import random_head_params
 torch.manual_seed(0)
 H, HV, K, V, B, T = 2, 4, 16, 16, 3, 3
-for layout in ("predecayed", "sglang"):
+for layout, dtype, tol in (("predecayed", torch.float32, 1e-5), ("sglang", torch.bfloat16, 2e-2)):
     pool = ReplaySSMStatePool(KDAHeads(H, HV, K, V), num_layers=1, num_slots=6, ring_length=8,
-                              state_dtype=torch.float32, ring_layout=layout, device="cpu", cache_dtype=torch.float32)
+                              state_dtype=dtype, ring_layout=layout, device="cpu", cache_dtype=torch.float32)
     ids = pool.alloc(6)
     params = random_head_params(HV, K)
     slots = ids[[4, 1, 2]].to(torch.int32)
     for _ in range(3):
         pool.decode(0, torch.randn(B, 2 * H * K + HV * V), torch.randn(B, HV * K), torch.randn(B, HV),
                     params.A_log, params.dt_bias, slots, advance=True)
-    state = fla_spec.FlaSpecState.make(1, B, T, HV, K, V, accepted=2, device="cpu")
+    state = fla_spec.FlaSpecState.make(1, B, T, HV, K, V, accepted=2, device="cpu", dtype=dtype)
     before = state.blocks.clone()
     x, a, b = torch.randn(B, T, 2 * H * K + HV * V), torch.randn(B, T, HV * K), torch.randn(B, T, HV)
     err = fla_spec.check(fla_spec.load_fla_fwd(), pool, slots, state, x, a, b, params, None)
-    assert err < 1e-5, (layout, err)
+    assert err < tol, (layout, dtype, err)
     assert not torch.equal(state.blocks, before)
     print("ok", layout, err)
 try:
