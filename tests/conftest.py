@@ -4,7 +4,8 @@ Calls on CPU tensors run the library's PyTorch path by default. The tests also r
 Triton's interpreter (one case per kernel path): the ``interpreter`` fixture switches the CPU backend for a test.
 Triton decides at import time whether it interprets, so ``TRITON_INTERPRET=1`` is set here, before anything imports
 triton, on machines without CUDA. With ``TP_REPLAYSSM_FAIL_LOG=PATH`` every failure is appended to ``PATH`` as it
-happens (tests/_fail_log.py), so a run cut by a time limit keeps its tracebacks.
+happens (tests/_fail_log.py), so a run cut by a time limit keeps its tracebacks. Under pytest-xdist each worker uses
+its share of the host's cores for torch's CPU threads.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist every worker's torch would start one CPU thread per core, so n workers oversubscribe the host's
+# cores n times over (the float64 oracles and CPU references crawl); each worker takes its share of the cores instead.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 import pytest  # noqa: E402
 
