@@ -1,13 +1,15 @@
 """One layer's pool decode step on a GPU, graph-captured and averaged over a full ring cycle.
 
-Times ``pool.decode`` + ``pool.advance`` (or, with ``--fused``, ``pool.decode(..., advance=True)``) for one layer as
-an engine runs it: each graph holds one full cursor cycle (L steps, the last one flushes) of one slot set, and the
+Times ``pool.decode`` + ``pool.advance`` (or, with ``--fused``, ``pool.decode(..., advance=True)``; with ``--forms
+advance``, ``pool.advance`` alone: the cursor kernel, which an engine runs once per model step) for one layer as an
+engine runs it: each graph holds one full cursor cycle (L steps, the last one flushes) of one slot set, and the
 replays rotate over enough disjoint slot sets that the state streams from HBM (8x the L2). us/step = median replay
 time / L. It uses only the pool's public API, so the same script times any version of the library on the path:
 an A/B of a kernel change runs it twice, once with the other checkout first on PYTHONPATH.
 
     python benchmarks/bench_pool_step.py --out step.json                  # the standard shapes
     python benchmarks/bench_pool_step.py --shapes 8x1,32x128 --state bf16 --fused --out step.json
+    python benchmarks/bench_pool_step.py --forms advance --shapes 8x1,8x8,8x32,8x64 --state bf16
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import time
 
 STANDARD = "8x1,32x1,8x8,32x8,8x32,32x32,8x128,32x128,8x512,32x512"  # HVxB
+FORMS = ("decode+advance", "fused", "advance")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,12 +34,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ring-length", type=int, default=16)
     p.add_argument("--fused", action="store_true", help="the advance fused into the decode (else decode + advance)")
     p.add_argument("--both", action="store_true", help="time both forms")
+    p.add_argument("--forms", default=None,
+                   help="comma-separated forms to time, from decode+advance, fused, advance (the cursor kernel alone); "
+                        "replaces --fused and --both")
     p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
     p.add_argument("--out", default=None, help="JSON file for the rows")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.forms:
+        args.form_list = tuple(args.forms.split(","))
+        unknown = set(args.form_list) - set(FORMS)
+        if unknown:
+            p.error(f"--forms: unknown form(s) {sorted(unknown)}; expected some of {list(FORMS)}")
+    else:
+        args.form_list = FORMS[:2] if args.both else (FORMS[1] if args.fused else FORMS[0],)
+    return args
 
 
-def time_shape(hv: int, batch: int, state: str, layout: str, L: int, fused: bool, reps: int) -> dict:
+def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, reps: int) -> dict:
     import torch
 
     from tp_replayssm import KDAHeads, ReplaySSMStatePool
@@ -63,8 +77,9 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, fused: bool
     slot_sets = [ids[i * batch:(i + 1) * batch].clone() for i in range(sets)]
 
     def step(slots: torch.Tensor) -> None:
-        pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=fused)
-        if not fused:
+        if form != "advance":
+            pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=form == "fused")
+        if form != "fused":
             pool.advance(slots)
 
     stream = torch.cuda.Stream()
@@ -95,7 +110,7 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, fused: bool
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (len(graphs) * L))
     pool.check() if hasattr(pool, "check") else None
-    return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, fused=fused, sets=sets,
+    return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=form == "fused", sets=sets,
                 us_per_step=statistics.median(times), us_min=min(times))
 
 
@@ -109,15 +124,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), package=tp_replayssm.__file__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])
-    forms = (False, True) if args.both else (args.fused,)
+    forms = args.form_list
     for state in args.state.split(","):
         for shape in args.shapes.split(","):
             hv, batch = (int(v) for v in shape.split("x"))
-            for fused in forms:
+            for form in forms:
                 t0 = time.time()
-                row = time_shape(hv, batch, state, args.layout, args.ring_length, fused, args.reps)
+                row = time_shape(hv, batch, state, args.layout, args.ring_length, form, args.reps)
                 rows.append(row)
-                print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {'fused' if fused else 'decode+advance'}: "
+                print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {form}: "
                       f"{row['us_per_step']:8.2f} us/step (min {row['us_min']:.2f}; {row['sets']} sets; "
                       f"{time.time() - t0:.0f} s)", flush=True)
                 if args.out:  # after every shape, so that a run cut by a time limit keeps the shapes it timed
