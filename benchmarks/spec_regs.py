@@ -81,8 +81,9 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
 
 
 def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, drafts: int, lower_bound: float | None,
-                   group: int = 1, override: str = ""):
-    """``(kernel, args, plan)`` of the verify kernel for a call of that shape (CPU tensors; nothing runs)."""
+                   group: int = 1, override: str = "", activations: str = "bf16"):
+    """``(kernel, args, plan)`` of the verify kernel for a call of that shape (CPU tensors; nothing runs);
+    ``activations`` the dtype of ``mixed_qkv``, ``a``, ``b`` and the outputs."""
     import torch
 
     from tp_replayssm.kernels.verify_args import verify_kernel_args
@@ -95,11 +96,12 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
     KH = HV if layout == "predecayed" else H
     S = B
-    call = VerifyCall(torch.zeros(B, T, 2 * H * K + HV * V, dtype=torch.bfloat16),
-                      torch.zeros(B, T, HV * K, dtype=torch.bfloat16), torch.zeros(B, T, HV, dtype=torch.bfloat16),
+    adt = {"fp32": torch.float32, "bf16": torch.bfloat16}[activations]
+    call = VerifyCall(torch.zeros(B, T, 2 * H * K + HV * V, dtype=adt),
+                      torch.zeros(B, T, HV * K, dtype=adt), torch.zeros(B, T, HV, dtype=adt),
                       torch.zeros(HV), torch.zeros(HV * K), 0.1, torch.zeros(S, HV, V, K, dtype=sdt),
                       torch.zeros(S, HV, L, V, dtype=torch.bfloat16), torch.zeros(S, KH, L, K, dtype=torch.bfloat16),
-                      torch.zeros(S, HV, L, K), torch.zeros(B, T, HV, V, dtype=torch.bfloat16),
+                      torch.zeros(S, HV, L, K), torch.zeros(B, T, HV, V, dtype=adt),
                       torch.arange(B, dtype=torch.int32), torch.zeros(S + 1, dtype=torch.int32),
                       torch.full((B, T), -1, dtype=torch.int32) if tree else None,
                       torch.zeros(S + 1, dtype=torch.int32), torch.zeros(S + 1, HV + H, dtype=torch.int32),
@@ -128,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--layout", choices=("predecayed", "sglang"), default="predecayed")
     ap.add_argument("--tree", action="store_true")
+    ap.add_argument("--activations", choices=("bf16", "fp32"), default="bf16",
+                    help="dtype of mixed_qkv, a, b and the outputs")
     ap.add_argument("--drafts", type=int, default=4)
     ap.add_argument("--lower-bound", type=float, default=None)
     ap.add_argument("--commit", action="store_true", help="the commit kernels instead")
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"triton {triton.__version__}, commit compact kernel: {r}")
         return
     kernel, kargs, plan = verify_example(args.batch, args.heads, args.state, args.layout, args.tree, args.drafts,
-                                         args.lower_bound, args.group, args.override)
+                                         args.lower_bound, args.group, args.override, args.activations)
     if args.kernel:  # a candidate kernel with the same signature, compiled with the plan's config
         import helion
 

@@ -5,15 +5,18 @@ per draft (or per pair of drafts) and the kernel gets straight-line code.
 Notation (docs/spec.md): draft ``t`` has the parent ``par_t`` (``-1``: the committed state), keys ``k_t``, queries
 ``q_t`` (scaled), log-gates ``g_t`` and ``beta_t``; ``anc[t][u]`` is 1 where ``u`` is a strict ancestor of ``t``;
 ``Gam_t = g_t + sum_{u anc t} g_u`` the gate sum along its own path. None of them indexes a kernel argument (Helion
-lowers loads and stores in the kernel body only).
+lowers loads and stores in the kernel body only); the products of split operands (:func:`exact_products`,
+:func:`part_products`) are ``hl.dot`` calls on tiles the kernel loaded.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ancestry", "bf16_parts", "column_matrix", "combination", "min_log_decay", "output_columns", "pair_terms",
-           "path_sums", "solve_chunk", "stack_rows", "value_matrix"]
+import helion.language as hl
+
+__all__ = ["ancestry", "bf16_parts", "column_matrix", "combination", "exact_products", "min_log_decay",
+           "output_columns", "pair_terms", "part_products", "path_sums", "solve_chunk", "stack_rows", "value_matrix"]
 
 
 def ancestry(parents, T: int):  # noqa: ANN001, ANN201 - traced by Helion
@@ -167,6 +170,28 @@ def bf16_parts(x, parts: int):  # noqa: ANN001, ANN201 - traced by Helion
     if parts == 2:
         return hi, mid
     return hi, mid, (rest - mid.to(torch.float32)).to(torch.bfloat16)
+
+
+def exact_products(parts, x, acc0, acc1, acc2, parts_n: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """``(acc_i + parts[i] @ x)`` for each bf16 part of the left operand, ``x`` an exact bf16 operand: one
+    accumulator chain per part (independent, so their tensor-core latencies overlap), summed by the caller. An
+    ``acc_i`` of None starts chain ``i``; with two parts ``acc2`` comes back as it went in."""
+    acc0 = hl.dot(parts[0], x, acc=acc0)
+    acc1 = hl.dot(parts[1], x, acc=acc1)
+    if parts_n == 3:
+        acc2 = hl.dot(parts[2], x, acc=acc2)
+    return acc0, acc1, acc2
+
+
+def part_products(lhs, rhs, acc0, acc1, acc2, parts_n: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """The chains of :func:`exact_products` for two split operands: every part pair ``lhs[a] @ rhs[b]`` above
+    ``2^-(8 parts)``, chain ``a + b`` for ``a + b < parts_n`` (with three parts the ``1, 1`` pair joins chain 0)."""
+    acc0 = hl.dot(lhs[0], rhs[0], acc=acc0)
+    acc1 = hl.dot(lhs[0], rhs[1], acc=hl.dot(lhs[1], rhs[0], acc=acc1))
+    if parts_n == 3:
+        acc2 = hl.dot(lhs[0], rhs[2], acc=hl.dot(lhs[2], rhs[0], acc=acc2))
+        acc0 = hl.dot(lhs[1], rhs[1], acc=acc0)
+    return acc0, acc1, acc2
 
 
 def stack_rows(vectors, tt, T: int):  # noqa: ANN001, ANN201 - traced by Helion

@@ -37,8 +37,8 @@ import helion
 import helion.language as hl
 
 from .decode_math import gate_math, qk_math
-from .verify_math import (ancestry, bf16_parts, column_matrix, combination, min_log_decay, output_columns,
-                          pair_terms, path_sums, stack_rows, value_matrix)
+from .verify_math import (ancestry, bf16_parts, column_matrix, combination, exact_products, min_log_decay,
+                          output_columns, pair_terms, part_products, path_sums, stack_rows, value_matrix)
 
 __all__ = ["replayssm_verify_mma_kernel", "verify_mma_kernel_for"]
 
@@ -243,35 +243,17 @@ def replayssm_verify_mma_kernel(
                     # [Delta; Out] = W^T D + A^T S0^T + E^T V as independent accumulator chains (one per operand
                     # part), summed at the end: each chain is a third of the tensor-core steps, so their latencies
                     # overlap
-                    acc0 = hl.dot(wt_parts[0], d_cur)  # [N, Vc] fp32
-                    acc1 = hl.dot(wt_parts[1], d_cur)
-                    if operand_parts == 3:
-                        acc2 = hl.dot(wt_parts[2], d_cur)
-                    if fp32_state:  # the checkpoint rows as bf16 parts too: every part pair above 2^-(8 parts)
-                        s_parts = [part.T for part in bf16_parts(s0, operand_parts)]  # [K, Vc]
-                        acc0 = hl.dot(at_parts[0], s_parts[0], acc=acc0)
-                        acc1 = hl.dot(at_parts[0], s_parts[1], acc=hl.dot(at_parts[1], s_parts[0], acc=acc1))
-                        if operand_parts == 3:
-                            acc2 = hl.dot(at_parts[0], s_parts[2], acc=hl.dot(at_parts[2], s_parts[0], acc=acc2))
-                            acc0 = hl.dot(at_parts[1], s_parts[1], acc=acc0)
+                    acc0, acc1, acc2 = exact_products(wt_parts, d_cur, None, None, None, operand_parts)  # [N, Vc]
+                    if fp32_state:  # the checkpoint rows as bf16 parts too
+                        acc0, acc1, acc2 = part_products(at_parts, [part.T for part in bf16_parts(s0, operand_parts)],
+                                                         acc0, acc1, acc2, operand_parts)
                     else:  # a bf16 checkpoint is an exact operand
-                        s0t = s0.T
-                        acc0 = hl.dot(at_parts[0], s0t, acc=acc0)
-                        acc1 = hl.dot(at_parts[1], s0t, acc=acc1)
-                        if operand_parts == 3:
-                            acc2 = hl.dot(at_parts[2], s0t, acc=acc2)
+                        acc0, acc1, acc2 = exact_products(at_parts, s0.T, acc0, acc1, acc2, operand_parts)
                     if v4.dtype == torch.bfloat16:  # bf16 values are an exact operand
-                        acc0 = hl.dot(et_parts[0], v_cur, acc=acc0)
-                        acc1 = hl.dot(et_parts[1], v_cur, acc=acc1)
-                        if operand_parts == 3:
-                            acc2 = hl.dot(et_parts[2], v_cur, acc=acc2)
-                    else:  # others as bf16 parts, the part pairs above 2^-(8 parts) as for the checkpoint
-                        v_parts = bf16_parts(v_cur.to(torch.float32), operand_parts)
-                        acc0 = hl.dot(et_parts[0], v_parts[0], acc=acc0)
-                        acc1 = hl.dot(et_parts[0], v_parts[1], acc=hl.dot(et_parts[1], v_parts[0], acc=acc1))
-                        if operand_parts == 3:
-                            acc2 = hl.dot(et_parts[0], v_parts[2], acc=hl.dot(et_parts[2], v_parts[0], acc=acc2))
-                            acc0 = hl.dot(et_parts[1], v_parts[1], acc=acc0)
+                        acc0, acc1, acc2 = exact_products(et_parts, v_cur, acc0, acc1, acc2, operand_parts)
+                    else:  # others as bf16 parts, as the checkpoint
+                        acc0, acc1, acc2 = part_products(et_parts, bf16_parts(v_cur.to(torch.float32), operand_parts),
+                                                         acc0, acc1, acc2, operand_parts)
                     res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output
                     if operand_parts == 3:
                         res = res + acc2
