@@ -198,11 +198,12 @@ def test_substitution_folded_into_operands_matches_the_chunk_form(T: int) -> Non
 def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
     """A bf16 or fp32 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the
     tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one,
-    with the reason; a plan that cannot run a call is refused."""
+    with the reason; a plan that cannot run a call is refused; equal problems get the same plan object."""
     base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
     plan = verify_plan.plan_verify(verify_plan.VerifyProblem(**base))
+    assert verify_plan.plan_verify(verify_plan.VerifyProblem(**base)) is plan  # planned once per problem (host time)
     assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 32 and plan.columns == 16
     assert plan.operand_parts == 2 and plan.constexprs()["fold_chunk"] == 16
     one_row = verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": 1}))

@@ -187,13 +187,13 @@ def tensor_core_refusal(problem: VerifyProblem) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=4096)
 def _one_wave_tile(candidates: tuple[int, ...], full: int, pairs: int, V: int, wave: int) -> int:
     """The narrowest value tile of ``candidates`` (below ``full``) whose grid of ``pairs * ceil(V / tile)`` programs
     fits one wave of ``wave`` programs, else ``full``."""
     return next((c for c in candidates if c < full and pairs * -(-V // c) <= wave), full)
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> VerifyPlan:
     """The launch plan of ``problem`` (module docstring). ``tensor_cores``: None takes the tensor-core form wherever
     it can run; False the CUDA-core form; True the tensor-core form (``ValueError`` with the reason where it cannot
