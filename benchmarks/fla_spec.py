@@ -1,6 +1,6 @@
 """FLA's speculative-decoding verify, the scheme vLLM runs for KDA, as a ``bench_spec.py --forms fla`` row.
 
-FLA 0.6.0's ``fused_recurrent_kda_fwd`` verifies ``T`` tokens per row from a pool of full fp32 states: with
+FLA 0.6.0's ``fused_recurrent_kda_fwd`` verifies ``T`` tokens per row from a pool of full states (fp32 or bf16): with
 ``ssm_state_indices [B, T]`` and ``num_accepted_tokens [B]`` it starts row ``b`` from the state block
 ``ssm_state_indices[b, num_accepted[b] - 1]`` (the last accepted token's state of the previous step) and writes the
 state after every token ``t`` to block ``ssm_state_indices[b, t]``. The commit is the next step's choice of
@@ -44,7 +44,7 @@ def split_inputs(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, H: int, HV: 
 class FlaSpecState:
     """The state blocks of ``n_sets`` slot sets: row ``b`` of set ``s`` owns the ``T`` blocks
     ``indices[s][b]``; every row starts from its ``accepted``-th block (``accepted`` in ``1..T``)."""
-    blocks: torch.Tensor  # [n_sets * B * T, HV, V, K] fp32 (FLA's state_v_first layout)
+    blocks: torch.Tensor  # [n_sets * B * T, HV, V, K] in the state dtype (FLA's state_v_first layout)
     indices: list[torch.Tensor]  # per set: [B, T] int32
     accepted: torch.Tensor  # [B] int32
 
@@ -72,7 +72,8 @@ def step(fwd: Callable[..., Any], state: FlaSpecState, s: int, inputs: dict[str,
 def check(fwd: Callable[..., Any], pool: Any, slots: torch.Tensor, state: FlaSpecState, x: torch.Tensor,
           a: torch.Tensor, b: torch.Tensor, params: Any, lower_bound: float | None) -> float:
     """FLA's outputs against the pool's verify of the same drafts from the same committed state (set 0 is
-    ``slots``); the relative error (Frobenius). The pool's step is then committed with no draft accepted."""
+    ``slots``; the state rounded to the blocks' dtype); the relative error (Frobenius). The pool's step is then
+    committed with no draft accepted."""
     heads = pool.local_heads
     start = state.indices[0][torch.arange(slots.shape[0], device=slots.device), state.accepted.long() - 1]
     state.blocks[start.long()] = pool.read_state(0, slots).to(state.blocks.dtype)

@@ -93,10 +93,10 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
 
     B, HV, K, V, L, T = batch, heads, 128, 128, 16, drafts
     H = HV // group
-    sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    sdt, adt = dtypes[state], dtypes[activations]
     KH = HV if layout == "predecayed" else H
     S = B
-    adt = {"fp32": torch.float32, "bf16": torch.bfloat16}[activations]
     call = VerifyCall(torch.zeros(B, T, 2 * H * K + HV * V, dtype=adt),
                       torch.zeros(B, T, HV * K, dtype=adt), torch.zeros(B, T, HV, dtype=adt),
                       torch.zeros(HV), torch.zeros(HV * K), 0.1, torch.zeros(S, HV, V, K, dtype=sdt),
