@@ -116,6 +116,12 @@ def replayssm_decode_kernel(
             others = hl.arange(named_block)
             named_tile = hl.load(slots, [others], extra_mask=others < B)
         slot = slots[row]
+        if tiny_batch:  # the latency path: the row's inputs (always in range) load beside the slot, not after its
+            if not fused_conv:  # verdict (pre-conv q/k are read by the conv itself)
+                q_in = q3[row, h, :]
+                k_in = k3[row, h, :]
+            a_in = a3[row, hv, :]
+            b_in = b2[row, hv]
         if slot >= 0:
             # slot safety (docs/contract.md): a slot >= S, a cursor outside [0, L-1] (a free slot's is FREE_CURSOR)
             # or, in the pool's calls, a slot that two rows name makes this a padding row; the address stays in range
@@ -229,10 +235,17 @@ def replayssm_decode_kernel(
                     q, k = qk_math(q_post.to(q3.dtype).to(torch.float32), k_post.to(k3.dtype).to(torch.float32), scale,
                                    use_l2norm)
                 else:
-                    q, k = qk_math(q3[row, h, :].to(torch.float32), k3[row, h, :].to(torch.float32), scale, use_l2norm)
-                x = a3[row, hv, :].to(torch.float32) + dt_bias2[hv, :]
+                    if not tiny_batch:
+                        q_in = q3[row, h, :]
+                        k_in = k3[row, h, :]
+                    q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
+                if not tiny_batch:
+                    a_in = a3[row, hv, :]
+                x = a_in.to(torch.float32) + dt_bias2[hv, :]
                 g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
-                beta = torch.sigmoid(b2[row, hv].to(torch.float32))
+                if not tiny_batch:
+                    b_in = b2[row, hv]
+                beta = torch.sigmoid(b_in.to(torch.float32))
                 eg = torch.exp(g)
                 keep = cur >= 0  # true (a rebasing head of mode 3 clears it below)
                 if predecayed_ring:  # kdec holds kt_j = k_j*exp(-G_j), the decayed key kt_j*exp(tot): wk = kt_j . ak
