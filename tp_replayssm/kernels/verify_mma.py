@@ -24,7 +24,10 @@ Writes as the CUDA-core verify kernel (:mod:`.verify`, docs/spec.md): the output
 (``c + T > L - 1``: ``S_c = (S0 + D^T Kt) * exp(tot)``, one more product per chunk) or a head rebases (its drafts
 would pass the bound: ``S_c`` to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). Per-head ring rows
 that other programs of the head read are written by the head's last program to pass its prologue (an acq_rel count
-in ``counters``, zero again after the launch). Slot safety as in the decode kernel.
+in ``counters``, zero again after the launch). Slot safety as in the decode kernel, except that a refused row's
+programs run through (their cursor read as 0) with every store masked and zeros for outputs: the drafts' loads then
+go out before the slot's cursor and named count are known (a runtime branch on the verdict would need the drafts'
+lists carried into it, which Helion 1.5.0 cannot lower), so they no longer wait for the slot -> cursor chain.
 """
 
 from __future__ import annotations
@@ -108,6 +111,12 @@ def replayssm_verify_mma_kernel(
             in_range = slot < num_slots
             s64 = torch.where(in_range, slot, 0).to(torch.int64)
             cur = cursors[s64]
+            # the drafts' inputs (this row's, always in range), one list entry each, issued while the cursor and
+            # the named count are on their way; their math waits for the first chunk's loads below
+            q_in = [q4[row, t, h, :] for t in hl.static_range(T)]
+            k_in = [k4[row, t, h, :] for t in hl.static_range(T)]
+            a_in = [a4[row, t, hv, :] for t in hl.static_range(T)]
+            b_in = [b3[row, t, hv] for t in hl.static_range(T)]
             ok = in_range & (cur >= 0) & (cur < ring_length)
             named = slot * 0
             for nb in hl.grid(0, B, named_block):
@@ -136,134 +145,133 @@ def replayssm_verify_mma_kernel(
             v_next = hl.load(v4, [row, vc, hv, lead], extra_mask=(vc < T)[:, None] & (lead < tv.end)[None, :])  # [N, Vc]
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
-            if ok:
-                # the drafts, one list entry each: q, k [K] (scaled, normalized), log-gates, beta, parents
-                qk = [qk_math(q4[row, t, h, :].to(torch.float32), k4[row, t, h, :].to(torch.float32), scale,
-                              use_l2norm) for t in hl.static_range(T)]
-                qs = [qk[t][0] for t in hl.static_range(T)]
-                ks = [qk[t][1] for t in hl.static_range(T)]
-                gates = [gate_math(a4[row, t, hv, :].to(torch.float32) + dt_bias2[hv, :], A_log[hv], lower_bound,
-                                   use_lower_bound) for t in hl.static_range(T)]
-                betas = [torch.sigmoid(b3[row, t, hv].to(torch.float32)) for t in hl.static_range(T)]
-                if tree:
-                    pars = [parents[row, t] for t in hl.static_range(T)]
-                else:
-                    pars = [slot * 0 + (t - 1) for t in hl.static_range(T)]
-                anc = ancestry(pars, T)
-                gam = path_sums(gates, anc, T)
-                tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
-                drop = fold  # the committed ring goes to the checkpoint (a fold or a rebase)
-                if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
-                    low = min_log_decay(tot, gam, T)
-                    rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
-                    if on_gpu:
-                        rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
-                                                           dtype=torch.int32, is_pure=True, pack=1)
-                    drop = drop | (rebase != 0)
-                    emptied = torch.where(rebase != 0, cur, 0)  # a rebase zeroes the committed deltas j < emptied
-                if drop:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot) (rare):
-                    # the drafts then start from S_c at the ring's new base (no ring term, tot = 0)
-                    decay = torch.exp(tot)
-                    for fchunk in hl.grid(tv.begin, tv.end, fold_chunk):
-                        frows = fchunk + hl.arange(fold_chunk)
-                        flive = frows < tv.end
-                        f_s0 = hl.load(state_rows, [st_base + frows * st_v, slice(None)], extra_mask=flive[:, None])
-                        f_d = hl.load(d_rows, [dr_base + j * dr_l, frows], extra_mask=valid[:, None] & flive[None, :])
-                        s_c = (f_s0.to(torch.float32) + hl.dot(f_d.T, k_ring)) * decay[None, :]
-                        hl.store(state_rows, [st_base + frows * st_v, slice(None)], s_c.to(state_rows.dtype),
-                                 extra_mask=flive[:, None])
-                        if predecayed_ring == 2:  # a rebase empties the committed deltas (they live in S_c now);
-                            # other threads' loads of these rows must be done first (Helion orders read-after-write)
-                            hl.inline_triton("tl.debug_barrier()", [], None)
-                            hl.store(d_rows, [dr_base + j * dr_l, frows],
-                                     hl.zeros([ring_block, fold_chunk], d_rows.dtype),
-                                     extra_mask=(j < emptied)[:, None] & flive[None, :])
-                    hl.inline_triton("tl.debug_barrier()", [], None)  # S_c's stores before the chunks read it
-                    s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
-                                     extra_mask=(lead < tv.end)[:, None])
-                    tot = tot * 0.0
-                ring_live = (j < torch.where(drop, 0, cur)) & (j < ring_length)  # the entries the products read
-                # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
-                # as bf16 parts: A^T [N, K] whose rows give every draft's delta and output (the forward substitution
-                # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero once
-                # folded) and the values' matrix E^T [N, N]
-                row_n = vc[:, None]
-                aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
-                aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
-                nk, mq = pair_terms(qs, ks, gam, anc, betas, T)
-                alpha, gamma = combination(betas, nk, mq, T)
-                cols_d, cols_o = output_columns(aks, aqs, alpha, gamma, T)
-                at_parts = bf16_parts(column_matrix(cols_d, cols_o, row_n, T), operand_parts)
-                et_parts = bf16_parts(value_matrix(alpha, gamma, vc[None, :], row_n, T), operand_parts)
-                k_prod = torch.where(ring_live[:, None], k_ring, 0.0).to(k_ring.dtype).T  # [K, Lb]
-                w_mat = hl.dot(at_parts[1], k_prod, acc=hl.dot(at_parts[0], k_prod))
+            # the drafts: q, k [K] (scaled, normalized), log-gates, beta, parents
+            qk = [qk_math(q_in[t].to(torch.float32), k_in[t].to(torch.float32), scale, use_l2norm)
+                  for t in hl.static_range(T)]
+            qs = [qk[t][0] for t in hl.static_range(T)]
+            ks = [qk[t][1] for t in hl.static_range(T)]
+            gates = [gate_math(a_in[t].to(torch.float32) + dt_bias2[hv, :], A_log[hv], lower_bound, use_lower_bound)
+                     for t in hl.static_range(T)]
+            betas = [torch.sigmoid(b_in[t].to(torch.float32)) for t in hl.static_range(T)]
+            if tree:
+                pars = [parents[row, t] for t in hl.static_range(T)]
+            else:
+                pars = [slot * 0 + (t - 1) for t in hl.static_range(T)]
+            anc = ancestry(pars, T)
+            gam = path_sums(gates, anc, T)
+            tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
+            drop = fold  # the committed ring goes to the checkpoint (a fold or a rebase)
+            if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
+                low = min_log_decay(tot, gam, T)
+                rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
+                if on_gpu:
+                    rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
+                                                       dtype=torch.int32, is_pure=True, pack=1)
+                drop = drop | (rebase != 0)
+                emptied = torch.where(rebase != 0, cur, 0)  # a rebase zeroes the committed deltas j < emptied
+            if drop:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot) (rare):
+                # the drafts then start from S_c at the ring's new base (no ring term, tot = 0)
+                decay = torch.exp(tot)
+                for fchunk in hl.grid(tv.begin, tv.end, fold_chunk):
+                    frows = fchunk + hl.arange(fold_chunk)
+                    flive = frows < tv.end
+                    f_s0 = hl.load(state_rows, [st_base + frows * st_v, slice(None)], extra_mask=flive[:, None])
+                    f_d = hl.load(d_rows, [dr_base + j * dr_l, frows], extra_mask=valid[:, None] & flive[None, :])
+                    s_c = (f_s0.to(torch.float32) + hl.dot(f_d.T, k_ring)) * decay[None, :]
+                    hl.store(state_rows, [st_base + frows * st_v, slice(None)], s_c.to(state_rows.dtype),
+                             extra_mask=flive[:, None])
+                    if predecayed_ring == 2:  # a rebase empties the committed deltas (they live in S_c now);
+                        # other threads' loads of these rows must be done first (Helion orders read-after-write)
+                        hl.inline_triton("tl.debug_barrier()", [], None)
+                        hl.store(d_rows, [dr_base + j * dr_l, frows],
+                                 hl.zeros([ring_block, fold_chunk], d_rows.dtype),
+                                 extra_mask=(j < emptied)[:, None] & flive[None, :])
+                hl.inline_triton("tl.debug_barrier()", [], None)  # S_c's stores before the chunks read it
+                s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
+                                 extra_mask=(lead < tv.end)[:, None])
+                tot = tot * 0.0
+            ring_live = (j < torch.where(drop, 0, cur)) & (j < ring_length)  # the entries the products read
+            # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
+            # as bf16 parts: A^T [N, K] whose rows give every draft's delta and output (the forward substitution
+            # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero once
+            # folded) and the values' matrix E^T [N, N]
+            row_n = vc[:, None]
+            aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
+            aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
+            nk, mq = pair_terms(qs, ks, gam, anc, betas, T)
+            alpha, gamma = combination(betas, nk, mq, T)
+            cols_d, cols_o = output_columns(aks, aqs, alpha, gamma, T)
+            at_parts = bf16_parts(column_matrix(cols_d, cols_o, row_n, T), operand_parts)
+            et_parts = bf16_parts(value_matrix(alpha, gamma, vc[None, :], row_n, T), operand_parts)
+            k_prod = torch.where(ring_live[:, None], k_ring, 0.0).to(k_ring.dtype).T  # [K, Lb]
+            w_mat = hl.dot(at_parts[1], k_prod, acc=hl.dot(at_parts[0], k_prod))
+            if operand_parts == 3:
+                w_mat = hl.dot(at_parts[2], k_prod, acc=w_mat)
+            wt_parts = bf16_parts(w_mat, operand_parts)
+            # per-head ring rows: the drafts' gates G_t (from the base) and keys kt_t at base + t, and a rebase's
+            # new base G_{c-1} = 0
+            t_col = tt[:, None]
+            g_store = stack_rows([(tot + gam[t])[None, :] for t in hl.static_range(T)], t_col, T)  # [Tb, K]
+            k_store = (stack_rows([ks[t][None, :] for t in hl.static_range(T)], t_col, T)
+                       * torch.exp(-g_store)).to(k_rows.dtype)
+            g_at = s64 * gr_s + hv * gr_h + (base + tt) * gr_l
+            k_at = s64 * kr_s + hv * kr_h + (base + tt) * kr_l
+            if drop:  # other programs of this head may still read the rows these overwrite (their prologue's
+                # keys and G_{c-1}): the last one past its prologue writes
+                hl.inline_triton("tl.debug_barrier()", [], None)
+                seen = hl.atomic_add(counters, [s64 * (HV + H) + hv], 1, sem="acq_rel")
+                if seen == tile_readers - 1:
+                    hl.store(g_rows, [g_at, slice(None)], g_store, extra_mask=tlive[:, None])
+                    hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=tlive[:, None])
+                    if predecayed_ring == 2:
+                        if rebase != 0:
+                            g_rows[s64 * gr_s + hv * gr_h + (cur - 1) * gr_l, :] = hl.zeros(
+                                [g_rows.size(1)], torch.float32)
+                    counters[s64 * (HV + H) + hv] = seen * 0
+            else:  # the drafts' rows lie beyond every committed one: nobody reads them in this launch
+                if tv.begin == 0:
+                    mine = torch.where(ok, tlive, False)[:, None]  # (a refused row writes nothing)
+                    hl.store(g_rows, [g_at, slice(None)], g_store, extra_mask=mine)
+                    hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=mine)
+            if (hv == 0) & (tv.begin == 0) & ok:
+                folded[s64] = torch.where(fold, 1, 0)
+            # the value chunks: every draft's delta and output straight from the products (the drafts' ring rows
+            # lie at base + t, beyond the committed entries or over folded ones: no chunk reads them)
+            for chunk in hl.grid(tv.begin, tv.end, value_chunk):
+                rows = chunk + hl.arange(value_chunk)
+                live = rows < tv.end
+                s0 = s_next  # [Vc, K]
+                d_cur = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype)  # [Lb, Vc] bf16
+                v_cur = v_next  # [N, Vc]: the drafts' values of this chunk in rows u < T
+                after = rows + value_chunk  # the next chunk's loads in flight during this one's math
+                s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                 extra_mask=(after < tv.end)[:, None])
+                d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
+                                 extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
+                v_next = hl.load(v4, [row, vc, hv, after], extra_mask=(vc < T)[:, None] & (after < tv.end)[None, :])
+                # [Delta; Out] = W^T D + A^T S0^T + E^T V as independent accumulator chains (one per operand
+                # part), summed at the end: each chain is a third of the tensor-core steps, so their latencies
+                # overlap
+                acc0, acc1, acc2 = exact_products(wt_parts, d_cur, None, None, None, operand_parts)  # [N, Vc]
+                if fp32_state:  # the checkpoint rows as bf16 parts too
+                    acc0, acc1, acc2 = part_products(at_parts, [part.T for part in bf16_parts(s0, operand_parts)],
+                                                     acc0, acc1, acc2, operand_parts)
+                else:  # a bf16 checkpoint is an exact operand
+                    acc0, acc1, acc2 = exact_products(at_parts, s0.T, acc0, acc1, acc2, operand_parts)
+                if v4.dtype == torch.bfloat16:  # bf16 values are an exact operand
+                    acc0, acc1, acc2 = exact_products(et_parts, v_cur, acc0, acc1, acc2, operand_parts)
+                else:  # others as bf16 parts, as the checkpoint
+                    acc0, acc1, acc2 = part_products(et_parts, bf16_parts(v_cur.to(torch.float32), operand_parts),
+                                                     acc0, acc1, acc2, operand_parts)
+                res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output
                 if operand_parts == 3:
-                    w_mat = hl.dot(at_parts[2], k_prod, acc=w_mat)
-                wt_parts = bf16_parts(w_mat, operand_parts)
-                # per-head ring rows: the drafts' gates G_t (from the base) and keys kt_t at base + t, and a rebase's
-                # new base G_{c-1} = 0
-                t_col = tt[:, None]
-                g_store = stack_rows([(tot + gam[t])[None, :] for t in hl.static_range(T)], t_col, T)  # [Tb, K]
-                k_store = (stack_rows([ks[t][None, :] for t in hl.static_range(T)], t_col, T)
-                           * torch.exp(-g_store)).to(k_rows.dtype)
-                g_at = s64 * gr_s + hv * gr_h + (base + tt) * gr_l
-                k_at = s64 * kr_s + hv * kr_h + (base + tt) * kr_l
-                if drop:  # other programs of this head may still read the rows these overwrite (their prologue's
-                    # keys and G_{c-1}): the last one past its prologue writes
-                    hl.inline_triton("tl.debug_barrier()", [], None)
-                    seen = hl.atomic_add(counters, [s64 * (HV + H) + hv], 1, sem="acq_rel")
-                    if seen == tile_readers - 1:
-                        hl.store(g_rows, [g_at, slice(None)], g_store, extra_mask=tlive[:, None])
-                        hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=tlive[:, None])
-                        if predecayed_ring == 2:
-                            if rebase != 0:
-                                g_rows[s64 * gr_s + hv * gr_h + (cur - 1) * gr_l, :] = hl.zeros(
-                                    [g_rows.size(1)], torch.float32)
-                        counters[s64 * (HV + H) + hv] = seen * 0
-                else:  # the drafts' rows lie beyond every committed one: nobody reads them in this launch
-                    if tv.begin == 0:
-                        hl.store(g_rows, [g_at, slice(None)], g_store, extra_mask=tlive[:, None])
-                        hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=tlive[:, None])
-                if (hv == 0) & (tv.begin == 0):
-                    folded[s64] = torch.where(fold, 1, 0)
-                # the value chunks: every draft's delta and output straight from the products (the drafts' ring rows
-                # lie at base + t, beyond the committed entries or over folded ones: no chunk reads them)
-                for chunk in hl.grid(tv.begin, tv.end, value_chunk):
-                    rows = chunk + hl.arange(value_chunk)
-                    live = rows < tv.end
-                    s0 = s_next  # [Vc, K]
-                    d_cur = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype)  # [Lb, Vc] bf16
-                    v_cur = v_next  # [N, Vc]: the drafts' values of this chunk in rows u < T
-                    after = rows + value_chunk  # the next chunk's loads in flight during this one's math
-                    s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                     extra_mask=(after < tv.end)[:, None])
-                    d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
-                                     extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
-                    v_next = hl.load(v4, [row, vc, hv, after], extra_mask=(vc < T)[:, None] & (after < tv.end)[None, :])
-                    # [Delta; Out] = W^T D + A^T S0^T + E^T V as independent accumulator chains (one per operand
-                    # part), summed at the end: each chain is a third of the tensor-core steps, so their latencies
-                    # overlap
-                    acc0, acc1, acc2 = exact_products(wt_parts, d_cur, None, None, None, operand_parts)  # [N, Vc]
-                    if fp32_state:  # the checkpoint rows as bf16 parts too
-                        acc0, acc1, acc2 = part_products(at_parts, [part.T for part in bf16_parts(s0, operand_parts)],
-                                                         acc0, acc1, acc2, operand_parts)
-                    else:  # a bf16 checkpoint is an exact operand
-                        acc0, acc1, acc2 = exact_products(at_parts, s0.T, acc0, acc1, acc2, operand_parts)
-                    if v4.dtype == torch.bfloat16:  # bf16 values are an exact operand
-                        acc0, acc1, acc2 = exact_products(et_parts, v_cur, acc0, acc1, acc2, operand_parts)
-                    else:  # others as bf16 parts, as the checkpoint
-                        acc0, acc1, acc2 = part_products(et_parts, bf16_parts(v_cur.to(torch.float32), operand_parts),
-                                                         acc0, acc1, acc2, operand_parts)
-                    res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output
-                    if operand_parts == 3:
-                        res = res + acc2
-                    hl.store(out4, [row, torch.where(vc >= T, vc - T, 0), hv, rows], res.to(out4.dtype),
-                             extra_mask=((vc >= T) & (vc < 2 * T))[:, None] & live[None, :])
-                    hl.store(d_rows, [dr_base + (base + torch.where(vc < T, vc, 0)) * dr_l, rows], res.to(d_rows.dtype),
-                             extra_mask=(vc < T)[:, None] & live[None, :])
-            else:  # a refused row: a padding row, recorded once per row
-                hl.store(out4, [row, tt, hv, tv.index], hl.zeros([draft_block, tv], out4.dtype),
-                         extra_mask=tlive[:, None])
+                    res = res + acc2
+                hl.store(out4, [row, torch.where(vc >= T, vc - T, 0), hv, rows],
+                         torch.where(ok, res, 0.0).to(out4.dtype),  # a refused row: a padding row's zeros
+                         extra_mask=((vc >= T) & (vc < 2 * T))[:, None] & live[None, :])
+                hl.store(d_rows, [dr_base + (base + torch.where(vc < T, vc, 0)) * dr_l, rows], res.to(d_rows.dtype),
+                         extra_mask=torch.where(ok, vc < T, False)[:, None] & live[None, :])
+            if ok == 0:  # a refused row, recorded once per row
                 if (hv == 0) & (tv.begin == 0):
                     code = call_code[0]
                     first = hl.atomic_cas(slot_errors, [0], 0, code)
