@@ -40,7 +40,8 @@ REGISTER_CAP = 168
 MMA_CHUNK_STAGES = 3
 # positions of the checkpoint-chunk loads in Helion's list of the kernel's loads (``load_eviction_policies``), on the
 # register chunk path of the wide-key (K > 128) 4-warp programs, the only ones that pin the hint: with per-row
-# cursors, and with the pool's cursor table (its load of the call's slots comes first, its cursor read by slot later)
+# cursors, and with the pool's cursor table (its load of the call's slots comes first, its cursor read by slot later);
+# on the tiny-batch path the row's input loads come before the first (launch_config's ``early_loads``)
 STATE_LOADS = (1, 13, 16)
 STATE_LOADS_CURSOR_TABLE = (2, 15, 18)
 # rows of the pool's count of the rows naming a slot that one load covers (one load up to this batch)
@@ -125,7 +126,7 @@ class DecodePlan:
     def config(self) -> helion.Config:
         """The Helion config (one object per distinct config: compiled kernels are cached by it)."""
         return launch_config(self.value_tile, self.num_warps, self.evict_state_first, self.chunk_stages,
-                             self.cursor_table)
+                             self.cursor_table, early_loads=(2 if self.fused_conv else 4) if self.tiny_batch else 0)
 
     def constexprs(self) -> dict[str, object]:
         """The kernel's constexpr arguments, by name."""
@@ -187,19 +188,23 @@ class DecodePlan:
 
 
 def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0,
-                  cursor_table: bool = False) -> helion.Config:
+                  cursor_table: bool = False, early_loads: int = 0) -> helion.Config:
     """The Helion config of a plan: one cached object per distinct choice (compiled kernels are cached by config
     identity). ``range_num_stages`` by Helion's loop index: 1 is the append rows' chunk loop (pipelined only on the
-    tensor-core chunk path), 2 the flush loop; the flush's replay loop (non-bf16 rings) takes the padding."""
-    return _launch_config(vt, warps, evict_state_first, chunk_stages, cursor_table and evict_state_first)
+    tensor-core chunk path), 2 the flush loop; the flush's replay loop (non-bf16 rings) takes the padding.
+    ``early_loads``: the row's input loads the tiny-batch path issues ahead of the first checkpoint chunk (q, k, a, b;
+    a and b with the conv fused), which move that chunk's place in the list of loads; the later ones keep theirs."""
+    return _launch_config(vt, warps, evict_state_first, chunk_stages, cursor_table and evict_state_first,
+                          early_loads if evict_state_first else 0)
 
 
 @functools.lru_cache(maxsize=None)
 def _launch_config(vt: int, warps: int, evict_state_first: bool, chunk_stages: int,
-                   cursor_table: bool) -> helion.Config:
+                   cursor_table: bool, early_loads: int) -> helion.Config:
     extra: dict[str, object] = {}
     if evict_state_first:
-        loads = STATE_LOADS_CURSOR_TABLE if cursor_table else STATE_LOADS
+        first, *later = STATE_LOADS_CURSOR_TABLE if cursor_table else STATE_LOADS
+        loads = (first + early_loads, *later)
         extra["load_eviction_policies"] = ["first" if i in loads else "" for i in range(max(loads) + 1)]
     return helion.Config(block_sizes=[vt], indexing="pointer", num_warps=warps, num_stages=1,
                          range_num_stages=[0, chunk_stages, 0], **extra)
