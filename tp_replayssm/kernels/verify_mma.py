@@ -131,7 +131,8 @@ def replayssm_verify_mma_kernel(
                 named = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [named],
                                                   dtype=torch.int32, is_pure=True, pack=1)
             ok = ok & (named == 1)
-            cur = torch.where(ok, cur, 0)
+            cur = torch.where(ok, cur, 0)  # a refused row's cursor 0 never folds (T <= L - 1, spec_validation), so
+            # its program reaches no checkpoint or ring store that ``ok`` does not mask
             fold = cur + T > ring_length - 1  # the drafts do not fit beyond the committed entries
             base = torch.where(fold, 0, cur)
             j = hl.arange(ring_block)
