@@ -113,6 +113,22 @@ def test_fused_advance_matches_decode_then_advance_bitwise(predecayed: bool, A_l
     assert flushed  # some slot went back to 0 along the way
 
 
+@pytest.mark.parametrize("tiny", [False, True], ids=["batch-path", "tiny-batch-path"])
+@pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)],
+                         ids=["sglang-layout", "predecayed-rebasing"])
+def test_late_count_matches_decode_then_advance_bitwise(predecayed: bool, A_log_shift: float, tiny: bool,
+                                                        monkeypatch: pytest.MonkeyPatch, interpreter: None) -> None:
+    """The late form of the fused advance (``DecodePlan.late_count``: a plain cursor read, the reader count once the
+    row's loads are out, a masked store by the last reader; the interpreter's plan for a bf16 checkpoint) against
+    the decode then the advance, bit for bit, as the test above: six readers per row, every cursor phase, flushes,
+    a padding row; checked to reach the kernel."""
+    seen = record_kernel_args(monkeypatch, "advance_cursors", "late_count")
+    separate, fused = _run_steps(B=3, H=1, HV=3, K=16, V=64, L=3, S=5, steps=4, predecayed=predecayed,
+                                 state_dtype=torch.bfloat16, A_log_shift=A_log_shift, tiny=tiny)
+    _assert_same(separate, fused, 5, 3)
+    assert set(seen) == {(0, False), (6, True)}, seen
+
+
 def test_cursor_readers_counts_programs_per_row_and_refuses_overflow() -> None:
     problem = _problem(DecodeDims(8, 16, 32, 128, 128, 16, 64), device=torch.device("cuda", 0))
     assert cursor_readers(problem, 32) == 32 * 4
@@ -126,10 +142,14 @@ def test_kernel_count_literal_is_cursor_reader() -> None:
     """The kernel spells the count unit as a literal (a module constant would become a kernel argument)."""
     src = inspect.getsource(decode.replayssm_decode_kernel)
     assert decode.CURSOR_READER == 65536
-    assert src.count("hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))") == 1
+    # the count as the cursor read, and a refused row's count in the late form (plan.late_count_rule)
+    assert src.count("hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))") == 2
     assert "cur = counted & 65535" in src
     # the last reader of the word (every row naming the slot counts on it) stores, under an `if`
-    assert "if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):" in src
+    assert src.count("if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):") == 2
+    # the late form's count of an accepted row (named once, the slot in range) and its masked store
+    assert src.count("hl.atomic_add(write_pos, [s64], 65536)") == 1
+    assert "extra_mask=((counted >> 16) & 65535) >= advance_cursors - 1)" in src
 
 
 def test_fused_advance_needs_the_cursor_table() -> None:

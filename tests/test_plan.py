@@ -265,6 +265,30 @@ def test_plan_decode_returns_the_same_object_for_the_same_problem() -> None:
     assert plan_decode(dataclasses.replace(problem, batch=9)) is not plan_decode(problem)
 
 
+def test_late_count_where_the_h200_measured_it_faster() -> None:
+    """``DecodePlan.late_count`` (the fused advance reads the cursor with a plain load and counts its readers once the
+    row's loads are out): on the bf16 one-key-tile programs (``vector_tiles == 2``) and the tensor-core chunk
+    programs; not on the tiny-batch path, the ``vector_tiles == 1`` programs, fp32 checkpoints, a fused conv, or a
+    decode without the advance (docs/tuning.md, "Slot checks")."""
+    def late(batch: int, heads: int, **kwargs: object) -> DecodePlan:
+        return _plan(batch, heads, layout="predecayed", cursor_table=True, **kwargs)
+
+    for batch, heads in ((1, 32), (8, 8), (32, 32), (128, 32), (512, 8)):
+        p = late(batch, heads, state=BF16, advance=True)
+        assert p.late_count and (p.vector_tiles == 2 or p.tensor_core_chunks), p
+    for batch, heads in ((1, 8), (8, 32), (32, 8)):  # the tiny path, then value tiles of 32 rows (vector_tiles 1)
+        p = late(batch, heads, state=BF16, advance=True)
+        assert not p.late_count and (p.tiny_batch or p.vector_tiles == 1), p
+    assert not late(128, 32, state=FP32, advance=True).late_count
+    assert not late(128, 32, state=BF16).late_count
+    conv = dataclasses.replace(_problem(128, 32, state=BF16, layout="predecayed", cursor_table=True, advance=True),
+                               conv_kernel_size=4)
+    assert plan_decode(conv, fuse_conv=True).fused_conv and not plan_decode(conv, fuse_conv=True).late_count
+    assert plan_decode(conv, fuse_conv=False).late_count
+    assert plan_decode(_problem(8, 8, state=BF16, layout="predecayed", cursor_table=True, advance=True,
+                                device=CPU)).late_count  # the interpreter's bf16 plan: its tests run the late count
+
+
 def test_str_names_every_field() -> None:
     p = _plan(512, 32, state=BF16, layout="predecayed", cursor_table=True, advance=True)
     text = str(p)
@@ -286,6 +310,10 @@ MISMATCHES = {
     "advance_readers-count": (BASE, dict(advance_readers=7), BASE),
     "vector_tiles-with-tensor-cores": (BASE, dict(vector_tiles=1, tensor_core_chunks=True), BASE),
     "vector_tiles-key-width": (_problem(8, 16, key_dim=24), dict(vector_tiles=1), _problem(8, 16, key_dim=24)),
+    "late_count-without-advance": (dataclasses.replace(BASE, advance=False), dict(late_count=True),
+                                   dataclasses.replace(BASE, advance=False)),
+    "late_count-four-warps": (dataclasses.replace(BASE, state_dtype=BF16), dict(num_warps=4),
+                              dataclasses.replace(BASE, state_dtype=BF16)),
 }
 
 

@@ -7,9 +7,10 @@ checkpoint: the state is never materialized on the every-step path (``S' @ k = S
 
 The constexprs say what the launch is (:class:`tp_replayssm.kernels.plan.DecodePlan` sets every one of them):
 ``predecayed_ring`` the ring layout and its rebase form, ``cursors_by_slot`` per-row cursors (the op) or the pool's
-cursor table, ``advance_cursors`` the fused cursor advance, ``tiny_batch`` the latency path, ``chunks_on_tensor_cores``
-and ``vector_tiles`` the chunk loop's form. Caches arrive as overlapping row views with element strides
-(:mod:`tp_replayssm.kernels.args`), so any strides with a contiguous last dim work without copies; offsets are int64.
+cursor table, ``advance_cursors`` the fused cursor advance (``late_count``: its reader count after the row's loads),
+``tiny_batch`` the latency path, ``chunks_on_tensor_cores`` and ``vector_tiles`` the chunk loop's form. Caches
+arrive as overlapping row views with element strides (:mod:`tp_replayssm.kernels.args`), so any strides with a
+contiguous last dim work without copies; offsets are int64.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def replayssm_decode_kernel(
     cv_d: hl.constexpr = 0,  # window element stride of a channel (W-1 in the pool)
     cw_d: hl.constexpr = 0,  # taps' element strides: channel, tap
     cw_i: hl.constexpr = 0,
+    late_count: hl.constexpr = False,  # the fused advance's reader count after the row's loads (plan.late_count_rule)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -137,7 +139,10 @@ def replayssm_decode_kernel(
                                  extra_mask=live[None, :, None, None])
             elif not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-            if advance_cursors:  # the fused advance (docs/kernel_design.md): the read is an atomic count of the readers
+            if advance_cursors and late_count:  # a plain read (readers ahead may have added their counts above the
+                # cursor's 16 bits); the count comes once the row's loads are out (below; docs/kernel_design.md)
+                cur = write_pos[s64] & 65535
+            elif advance_cursors:  # the fused advance (docs/kernel_design.md): the read is an atomic count of the readers
                 # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument)
                 counted = hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))  # cursor | readers << 16
                 cur = counted & 65535
@@ -159,12 +164,14 @@ def replayssm_decode_kernel(
                     named = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [named],
                                                       dtype=torch.int32, is_pure=True, pack=1)
                 ok = ok & (named == 1)
-            if advance_cursors:  # the last of the readers of this word (every row naming the slot) stores it
+            if advance_cursors and not late_count:  # the last of the readers of this word (every row naming the
+                # slot) stores it
                 if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):
                     write_pos[s64] = torch.where(
                         ok, torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1), cur)
             # a cursor out of range still addresses its slot's first ring entry only (this depends on the cursor alone,
             # not on the count above, so the ring loads below need not wait for it)
+            cur_read = cur
             cur = torch.where(cur_ok, cur, 0)
             forced = force_flush[row]
             append = (cur != ring_length - 1) & (forced == 0)  # else this step flushes the row
@@ -238,12 +245,23 @@ def replayssm_decode_kernel(
                     if not tiny_batch:
                         q_in = q3[row, h, :]
                         k_in = k3[row, h, :]
-                    q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
-                if not tiny_batch:
+                    if not late_count:
+                        q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
+                if late_count:  # the row's loads are out: the reader count, and the last reader of the word stores the
+                    # moved cursor (a masked store: an `if` here parts the math below from its FMAs, docs/pitfalls.md)
+                    if not tiny_batch:
+                        a_in = a3[row, hv, :]
+                        b_in = b2[row, hv]
+                    counted = hl.atomic_add(write_pos, [s64], 65536)  # named == 1 and the slot in range here
+                    hl.store(write_pos, [s64], torch.where((cur >= ring_length - 1) | (forced != 0), 0, cur + 1),
+                             extra_mask=((counted >> 16) & 65535) >= advance_cursors - 1)
+                    if not fused_conv:
+                        q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
+                if not tiny_batch and not late_count:
                     a_in = a3[row, hv, :]
                 x = a_in.to(torch.float32) + dt_bias2[hv, :]
                 g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
-                if not tiny_batch:
+                if not tiny_batch and not late_count:
                     b_in = b2[row, hv]
                 beta = torch.sigmoid(b_in.to(torch.float32))
                 eg = torch.exp(g)
@@ -480,6 +498,10 @@ def replayssm_decode_kernel(
                             conv_counters[s64 * H + h] = seen * 0
             else:  # a refused row: a padding row, recorded once per row (value head 0, first value tile)
                 out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
+                if late_count:  # it reads the word too: the last reader stores the cursor as it was, count cleared
+                    counted = hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))
+                    if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):
+                        write_pos[s64] = cur_read
                 if cursors_by_slot:
                     if (hv == 0) & (tv.begin == 0):
                         code = call_code[0]

@@ -22,7 +22,8 @@ import helion
 
 from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
 
-__all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "plan_decode",
+__all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "late_count_rule",
+           "plan_decode",
            "problem_of"]
 
 # (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
@@ -118,6 +119,8 @@ class DecodePlan:
     fused_conv: int = 0  # 0: no conv in this launch; 1: the conv fused, each program owns its q/k windows; 2: fused,
     # the last of a q/k head's programs writes its windows (counted); see fused_conv_mode
     conv_readers: int = 0  # fused_conv == 2: the programs of one (row, q/k head), HV/H * ceil(V / value_tile)
+    late_count: bool = False  # the fused advance reads the cursor with a plain load and takes its reader count once
+    # the row's loads are out (else the read is the count); see late_count_rule
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -135,7 +138,8 @@ class DecodePlan:
                     cursors_by_slot=self.cursor_table, tiny_batch=self.tiny_batch,
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
-                    on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers)
+                    on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers,
+                    late_count=self.late_count)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -159,6 +163,11 @@ class DecodePlan:
         if problem.advance and self.advance_readers != cursor_readers(problem, self.value_tile):
             raise ValueError(f"DecodePlan: `advance_readers` must be {cursor_readers(problem, self.value_tile)} "
                              f"for value tiles of {self.value_tile} rows; got {self.advance_readers}")
+        if self.late_count and not self.advance_readers:
+            raise ValueError("DecodePlan: `late_count` is a form of the fused advance: it needs `advance_readers`")
+        if self.late_count and self.on_gpu and self.num_warps != 1:  # docs/kernel_design.md, the fused advance
+            raise ValueError(f"DecodePlan: `late_count` needs one-warp programs on a GPU (a warp's cursor load must "
+                             f"return before its count); got num_warps={self.num_warps}")
         if self.vector_tiles and self.tensor_core_chunks:
             raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
         if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
@@ -314,6 +323,16 @@ def fused_conv_mode(problem: DecodeProblem, value_tile: int) -> tuple[int, int]:
     return (1, 0) if readers == 1 else (2, readers)
 
 
+def late_count_rule(advance: bool, vector_tiles: int, tensor_core_chunks: bool, fused_conv: int) -> bool:
+    """Whether the fused advance takes its reader count late (``DecodePlan.late_count``): on the one-key-tile
+    programs (``vector_tiles == 2``) and the tensor-core chunk programs without a fused conv, where the H200 measured
+    it faster (docs/tuning.md, "Slot checks"); the count-first read elsewhere (the tiny-batch path's 4-warp register
+    programs, the ``vector_tiles == 1`` programs, fp32 checkpoints' register programs, the fused conv). In the
+    interpreter (4-warp programs, tensor-core chunks wherever the operands are bf16) the same rule turns it on for
+    bf16 checkpoints."""
+    return advance and (vector_tiles == 2 or tensor_core_chunks) and not fused_conv
+
+
 def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
     """The programs that read one row's cursor (``HV * ceil(V / value_tile)``): the fused advance counts them in
     the cursor word's upper 15 bits, so at most 32767 of them and rings of at most 65535 entries."""
@@ -345,14 +364,15 @@ def plan_decode(problem: DecodeProblem, *, fuse_conv: bool | None = None) -> Dec
     if fuse_conv is None:
         fuse_conv = problem.batch * problem.num_v_heads >= FUSE_CONV_FROM
     fused, readers = fused_conv_mode(problem, vt) if fuse_conv else (0, 0)
+    vector_tiles = _vector_tiles(problem, vt, chunk, warps, mma)
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
         tiny_batch=problem.batch * problem.num_v_heads < TINY_BATCH_BELOW,
-        vector_tiles=_vector_tiles(problem, vt, chunk, warps, mma), predecayed_ring=mode,
+        vector_tiles=vector_tiles, predecayed_ring=mode,
         advance_readers=cursor_readers(problem, vt) if problem.advance else 0,
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())) if problem.cursor_table else 16,
         on_gpu=problem.device_type == "cuda", cursor_table=problem.cursor_table,
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
         use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound, fused_conv=fused,
-        conv_readers=readers)
+        conv_readers=readers, late_count=late_count_rule(problem.advance, vector_tiles, mma, fused))
