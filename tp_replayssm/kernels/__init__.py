@@ -1,8 +1,9 @@
 """The Helion kernels and everything that chooses and launches them.
 
-- :mod:`.decode` (with :mod:`.decode_math`): the ReplaySSM decode kernel; :mod:`.plan` (``plan_decode``, the one place
-  that decides how a decode launch is compiled), :mod:`.args` (its arguments, each tagged with the input it views),
-  :mod:`.launch` (``run_decode``, the entry of every decode: validate, choose the path, plan, launch).
+- :mod:`.decode` (with :mod:`.decode_chunks`, :mod:`.decode_conv`, :mod:`.decode_math`, :mod:`.decode_compile`): the
+  ReplaySSM decode kernel; :mod:`.plan` (``plan_decode``, the one place that decides how a decode launch is
+  compiled), :mod:`.args` (its arguments, each tagged with the input it views), :mod:`.launch` (``run_decode``, the
+  entry of every decode: validate, choose the path, plan, launch).
 - :mod:`.cursor`: the pool's cursor advance kernel (and its torch form).
 - :mod:`.conv` (with :mod:`.conv_once`, :mod:`.conv_plan`, :mod:`.conv_math`): the short causal convolution over a
   slot's window, in a launch of its own; the decode kernel runs the same math itself where its plan fuses it.

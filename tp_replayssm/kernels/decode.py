@@ -15,15 +15,14 @@ contiguous last dim work without copies; offsets are int64.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-import helion
 import helion.language as hl
 
-from .conv_math import conv_output, taps_tile
-from .decode_math import (chunk_outputs, decayed_keys, g_entry, gate_math, k_entry, qk_math, ring_rows, row_dots,
+from .decode_chunks import chunk_step, empty_ring, mma_chunk, rebase_chunk
+from .decode_compile import decode_kernel_for
+from .decode_conv import conv_prologue, conv_qk_windows
+from .decode_math import (flush_keys, g_entry, gate_math, k_entry, qk_math, ring_rows, row_dots, sglang_weights,
                           split3_columns, vector_tile)
 
 __all__ = ["CURSOR_READER", "decode_kernel_for", "replayssm_decode_kernel"]
@@ -201,46 +200,9 @@ def replayssm_decode_kernel(
                     last_tap = (ci == conv_size - 1)[None, :]
                     kk = hl.arange(q3.size(2))
                     cv_row = cv_base + s64 * cv_s  # the slot's window rows start here
-                    q_ch = h * q3.size(2) + kk  # channels of q head h, of its k head, of this value tile
-                    k_ch = (H + h) * q3.size(2) + kk
-                    v_ch = 2 * H * q3.size(2) + hv * V + tv.index
-                    q_u = taps_tile(hl.load(conv_rows, [cv_row + q_ch * cv_d, torch.where(in_window, ci, 0)],
-                                            extra_mask=in_window[None, :]), q3[row, h, :][:, None], last_tap)
-                    k_u = taps_tile(hl.load(conv_rows, [cv_row + k_ch * cv_d, torch.where(in_window, ci, 0)],
-                                            extra_mask=in_window[None, :]), k3[row, h, :][:, None], last_tap)
-                    v_u = taps_tile(hl.load(conv_rows, [cv_row + v_ch * cv_d, torch.where(in_window, ci, 0)],
-                                            extra_mask=in_window[None, :]), v3[row, hv, tv][:, None], last_tap)
-                    q_w = hl.load(conv_w, [q_ch[:, None] * cw_d + ci[None, :] * cw_i],
-                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
-                    k_w = hl.load(conv_w, [k_ch[:, None] * cw_d + ci[None, :] * cw_i],
-                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
-                    v_w = hl.load(conv_w, [v_ch[:, None] * cw_d + ci[None, :] * cw_i],
-                                  extra_mask=(ci < conv_size)[None, :]).to(torch.float32)
-                    if conv_has_bias:
-                        q_post = conv_output(q_u, q_w, hl.load(conv_b, [q_ch]), on_gpu)
-                        k_post = conv_output(k_u, k_w, hl.load(conv_b, [k_ch]), on_gpu)
-                        v_post = conv_output(v_u, v_w, hl.load(conv_b, [v_ch]), on_gpu)
-                    else:
-                        q_post = conv_output(q_u, q_w, None, on_gpu)
-                        k_post = conv_output(k_u, k_w, None, on_gpu)
-                        v_post = conv_output(v_u, v_w, None, on_gpu)
-                    # the post-conv values in the activation dtype, as the conv's own launch would hand them over;
-                    # v in out3's rows of this tile until the chunk loops read it through vpost3 (and overwrite it
-                    # with the outputs): Helion puts a CTA barrier before every load of a tensor the program stores,
-                    # and the loops load vpost3, which it never stores (the barrier below orders the two)
-                    out3[row, hv, tv] = v_post.to(out3.dtype)
-                    hl.inline_triton("tl.debug_barrier()", [], None)  # the window reads and the v rows, ordered
-                    shifted = (ci >= 1) & (ci < conv_size)
-                    to_col = torch.where(shifted, ci - 1, 0)
-                    hl.store(conv_rows, [cv_row + v_ch * cv_d, to_col], v_u.to(conv_rows.dtype),  # the new v window
-                             extra_mask=shifted[None, :])
-                    if fused_conv == 1:  # the only program that reads this q/k head's windows writes them
-                        hl.store(conv_rows, [cv_row + q_ch * cv_d, to_col], q_u.to(conv_rows.dtype),
-                                 extra_mask=shifted[None, :])
-                        hl.store(conv_rows, [cv_row + k_ch * cv_d, to_col], k_u.to(conv_rows.dtype),
-                                 extra_mask=shifted[None, :])
-                    q, k = qk_math(q_post.to(q3.dtype).to(torch.float32), k_post.to(k3.dtype).to(torch.float32), scale,
-                                   use_l2norm)
+                    q, k, shifted, to_col = conv_prologue(
+                        conv_rows, conv_w, conv_b, q3, k3, v3, out3, row, h, hv, tv, H, V, kk, ci, in_window, last_tap,
+                        cv_row, cv_d, cw_d, cw_i, conv_size, conv_has_bias, fused_conv, on_gpu, scale, use_l2norm)
                 else:
                     if not tiny_batch:
                         q_in = q3[row, h, :]
@@ -294,15 +256,8 @@ def replayssm_decode_kernel(
                         keep = rebase == 0
                         d_end = torch.where(rebase, 0, V)  # the append stores the delta of value rows < d_end
                 else:  # (spelled apart from the branch above: this statement order keeps the sglang path's registers)
-                    kdec, tot = decayed_keys(g_ring, k_ring, valid, tiny_batch)  # tiny batches: reverse scan
+                    kdec, wk, wq, et, ak, aq = sglang_weights(g_ring, k_ring, valid, tiny_batch, eg, k, q)
                     g_cum = g  # (the g ring holds gates, not sums)
-                    xk = eg * k
-                    xq = eg * q
-                    wk = torch.sum(kdec * xk[None, :], dim=1)  # [Lb]
-                    wq = torch.sum(kdec * xq[None, :], dim=1)
-                    et = torch.exp(tot)
-                    ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
-                    aq = et * xq
                 kq = torch.sum(k * q, dim=0)
                 ak_row, aq_row, wk_col, wq_col = ak[None, :], aq[None, :], wk[:, None], wq[:, None]
                 if vector_tiles:  # the append loop's [Ko, 1, Ki, kv] (the pre-decayed prologue's key tiles made them above)
@@ -326,18 +281,9 @@ def replayssm_decode_kernel(
                         for mchunk in hl.grid(tv.begin, tv.end, value_chunk):
                             mrows = mchunk + hl.arange(value_chunk)
                             mlive = mrows < tv.end
-                            mS0 = hl.load(state_rows, [st_base + mrows * st_v, slice(None)], extra_mask=mlive[:, None])
-                            md_ring = hl.load(d_rows, [dr_base + j * dr_l, mrows],
-                                              extra_mask=valid[:, None] & mlive[None, :])  # dead entries load 0
-                            prod = hl.dot(md_ring.T, w_mat, acc=hl.dot(mS0, a_mat))  # [Vc, 16] fp32
-                            mspk = torch.sum(torch.where(k_col, prod, 0.0), dim=1)  # S' @ k
-                            mspq = torch.sum(torch.where(k_col, 0.0, prod), dim=1)  # S' @ q
-                            if fused_conv:
-                                mv_c = hl.load(vpost3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
-                            else:
-                                mv_c = hl.load(v3, [row, hv, mrows], extra_mask=mlive).to(torch.float32)
-                            mdelta = beta * (mv_c - mspk)
-                            hl.store(out3, [row, hv, mrows], (mspq + mdelta * kq).to(out3.dtype), extra_mask=mlive)
+                            mdelta = mma_chunk(state_rows, d_rows, v3, vpost3, out3, mrows, mlive, st_base, st_v,
+                                               dr_base, dr_l, j, valid, a_mat, w_mat, k_col, fused_conv, row, hv, beta,
+                                               kq)
                             if predecayed_ring == 3 and not fused_conv:  # a rebasing head stores none (with the
                                 mlive = mlive & (mrows < d_end)  # fused conv its rebase pass reads the delta back)
                             hl.store(d_rows, [dr_base + cur * dr_l, mrows], mdelta.to(d_rows.dtype), extra_mask=mlive)
@@ -345,24 +291,10 @@ def replayssm_decode_kernel(
                         for chunk in hl.grid(tv.begin, tv.end, value_chunk):
                             rows = chunk + hl.arange(value_chunk)
                             live = rows < tv.end
-                            S0 = S_next.to(torch.float32)  # [Ko, Vc, Ki, kv] (vector_tiles) or [Vc, K]
-                            d_ring = torch.where(valid[:, None], d_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                            after = rows + value_chunk  # prefetch the next chunk (masked after the last)
-                            if vector_tiles:
-                                S_next = hl.load(state_vecs, [slice(None), st_base + after * st_v, slice(None),
-                                                              slice(None)],
-                                                 extra_mask=(after < tv.end)[None, :, None, None])
-                            else:
-                                S_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                                 extra_mask=(after < tv.end)[:, None])
-                            d_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), after],
-                                             extra_mask=valid[:, None] & (after < tv.end)[None, :])
-                            if fused_conv:
-                                v_c = hl.load(vpost3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                            else:
-                                v_c = hl.load(v3, [row, hv, rows], extra_mask=live).to(torch.float32)
-                            delta, out = chunk_outputs(S0, d_ring, v_c, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
-                            hl.store(out3, [row, hv, rows], out.to(out3.dtype), extra_mask=live)
+                            S0, d_ring, delta, S_next, d_next = chunk_step(
+                                state_rows, state_vecs, d_rows, v3, vpost3, out3, S_next, d_next, rows, live, tv,
+                                value_chunk, st_base, st_v, dr_base, dr_l, j, valid, vector_tiles, vector_tiles,
+                                fused_conv, row, hv, ak_loop, aq_loop, wk_col, wq_col, beta, kq)
                             if predecayed_ring == 3 and not fused_conv:  # a rebasing head stores none (as above)
                                 live = live & (rows < d_end)
                             hl.store(d_rows, [dr_base + cur * dr_l, rows], delta.to(d_rows.dtype), extra_mask=live)
@@ -383,18 +315,9 @@ def replayssm_decode_kernel(
                             for zchunk in hl.grid(tv.begin, tv.end, value_chunk):
                                 zrows = zchunk + hl.arange(value_chunk)
                                 zlive = zrows < tv.end
-                                zS0 = hl.load(state_rows, [st_base + zrows * st_v, slice(None)],
-                                              extra_mask=zlive[:, None]).to(torch.float32)
-                                zd = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
-                                             extra_mask=valid[:, None] & zlive[None, :]).to(torch.float32)
-                                if fused_conv:  # the post-conv v is gone (the outputs took its rows): the append
-                                    # loop stored this step's delta at c, as a flush would read it from the ring
-                                    zdelta = hl.load(d_rows, [dr_base + cur * dr_l, zrows],
-                                                     extra_mask=zlive).to(torch.float32)
-                                else:
-                                    zv = hl.load(v3, [row, hv, zrows], extra_mask=zlive).to(torch.float32)
-                                    zdelta, _ = chunk_outputs(zS0, zd, zv, ak_row, aq_row, wk_col, wq_col, beta, kq)
-                                zS = zS0 * e_new[None, :] + zdelta[:, None] * k[None, :]
+                                zS = rebase_chunk(state_rows, d_rows, v3, zrows, zlive, st_base, st_v, dr_base, dr_l, j,
+                                                  valid, cur, vector_tiles, fused_conv, row, hv, e_new, k, ak_row,
+                                                  aq_row, wk_col, wq_col, beta, kq)
                                 for zback in hl.grid(cur):
                                     zj = cur - 1 - zback
                                     zk = k_rows[s64 * kr_s + kh * kr_h + zj * kr_l, :].to(torch.float32)
@@ -403,10 +326,8 @@ def replayssm_decode_kernel(
                                     zS = zS + zdj[:, None] * (zk * e_new)[None, :]
                                 hl.store(state_rows, [st_base + zrows * st_v, slice(None)], zS.to(state_rows.dtype),
                                          extra_mask=zlive[:, None])
-                                hl.inline_triton("tl.debug_barrier()", [], None)
-                                hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), zrows],
-                                         hl.zeros([ring_block, value_chunk], d_rows.dtype),
-                                         extra_mask=(j <= cur)[:, None] & zlive[None, :])
+                                empty_ring(d_rows, dr_base, dr_l, j, cur, zrows, zlive, vector_tiles, ring_block,
+                                           value_chunk)
                 else:  # flush: Snew = S0*exp(tot+g) + D^T @ Kf + delta (outer) k, Kf[j] = k_j*exp(sum_{j<i<=c} g_i)
                     # a rebase (mode 2): G_c = 0 is the new base and kt_c = 0 (finite; its delta becomes 0). No program
                     # of this launch reads entry c. Written before the loop: after it, the addresses spilled (one warp)
@@ -426,31 +347,17 @@ def replayssm_decode_kernel(
                             kdec = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
                                            extra_mask=valid[:, None]).to(torch.float32)
                         if predecayed_ring:  # kt_j*exp(G_c)
-                            k_flush = kdec * e_new[None, :]  # [Lb, K]
+                            k_hi, k_mid, k_lo = flush_keys(kdec, e_new[None, :])  # [Lb, K] each
                         else:
-                            k_flush = kdec * eg[None, :]  # [Lb, K]
-                        k_hi = k_flush.to(torch.bfloat16)
-                        k_rest = k_flush - k_hi.to(torch.float32)
-                        k_mid = k_rest.to(torch.bfloat16)
-                        k_lo = (k_rest - k_mid.to(torch.float32)).to(torch.bfloat16)
-                    # the append loop's chunk walk again: Helion 1.5.0 fails to lower hl.load inside a helper
-                    # function called from two loops (InductorLoweringError on aten.slice), so it is spelled out
+                            k_hi, k_mid, k_lo = flush_keys(kdec, eg[None, :])
+                    # the append loop's chunk walk again (chunk_step, on the [Vc, K] rows)
                     for fchunk in hl.grid(tv.begin, tv.end, value_chunk):
                         frows = fchunk + hl.arange(value_chunk)
                         flive = frows < tv.end
-                        fS0 = fS_next.to(torch.float32)  # [Vc, K]
-                        fd_ring = torch.where(valid[:, None], fd_next.to(torch.float32), 0.0)  # [Lb, Vc]
-                        fafter = frows + value_chunk  # prefetch the next chunk (masked after the last)
-                        fS_next = hl.load(state_rows, [st_base + fafter * st_v, slice(None)],
-                                          extra_mask=(fafter < tv.end)[:, None])
-                        fd_next = hl.load(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), fafter],
-                                          extra_mask=valid[:, None] & (fafter < tv.end)[None, :])
-                        if fused_conv:
-                            fv_c = hl.load(vpost3, [row, hv, frows], extra_mask=flive).to(torch.float32)
-                        else:
-                            fv_c = hl.load(v3, [row, hv, frows], extra_mask=flive).to(torch.float32)
-                        fdelta, fout = chunk_outputs(fS0, fd_ring, fv_c, ak_row, aq_row, wk_col, wq_col, beta, kq)
-                        hl.store(out3, [row, hv, frows], fout.to(out3.dtype), extra_mask=flive)
+                        fS0, fd_ring, fdelta, fS_next, fd_next = chunk_step(
+                            state_rows, state_vecs, d_rows, v3, vpost3, out3, fS_next, fd_next, frows, flive, tv,
+                            value_chunk, st_base, st_v, dr_base, dr_l, j, valid, vector_tiles, 0, fused_conv, row, hv,
+                            ak_row, aq_row, wk_col, wq_col, beta, kq)
                         if predecayed_ring:  # exp(G_c)
                             S_new = fS0 * e_new[None, :] + fdelta[:, None] * k[None, :]
                         else:
@@ -474,27 +381,16 @@ def replayssm_decode_kernel(
                         if predecayed_ring == 2:  # a rebase empties the ring: its deltas j <= c now live in the checkpoint.
                             # The CTA barrier first: other threads' reads of these rows (the replay's) must be done. (Not
                             # inside an `if rebase`: that branch cost the capped programs 13 more spills on every step)
-                            hl.inline_triton("tl.debug_barrier()", [], None)
-                            hl.store(d_rows, [ring_rows(dr_base + j * dr_l, vector_tiles), frows],
-                                     hl.zeros([ring_block, value_chunk], d_rows.dtype),
-                                     extra_mask=(j <= emptied_to)[:, None] & flive[None, :])
+                            empty_ring(d_rows, dr_base, dr_l, j, emptied_to, frows, flive, vector_tiles, ring_block,
+                                       value_chunk)
                 if fused_conv:  # the q/k window writes that wait for the loops (docs/conv.md, the fused conv)
                     if fused_conv == 2:  # the q/k windows, by the last of the head's programs to get here: all the
                         # others have read them (a CTA barrier, then an acq_rel count of the programs; zero again after)
                         hl.inline_triton("tl.debug_barrier()", [], None)
                         seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
                         if seen == conv_readers - 1:
-                            eq_ch = h * q3.size(2) + kk
-                            ek_ch = (H + h) * q3.size(2) + kk
-                            eq_u = taps_tile(hl.load(conv_rows, [cv_row + eq_ch * cv_d, torch.where(in_window, ci, 0)],
-                                                     extra_mask=in_window[None, :]), q3[row, h, :][:, None], last_tap)
-                            ek_u = taps_tile(hl.load(conv_rows, [cv_row + ek_ch * cv_d, torch.where(in_window, ci, 0)],
-                                                     extra_mask=in_window[None, :]), k3[row, h, :][:, None], last_tap)
-                            hl.inline_triton("tl.debug_barrier()", [], None)
-                            hl.store(conv_rows, [cv_row + eq_ch * cv_d, to_col], eq_u.to(conv_rows.dtype),
-                                     extra_mask=shifted[None, :])
-                            hl.store(conv_rows, [cv_row + ek_ch * cv_d, to_col], ek_u.to(conv_rows.dtype),
-                                     extra_mask=shifted[None, :])
+                            conv_qk_windows(conv_rows, q3, k3, row, h, H, kk, ci, in_window, last_tap, cv_row, cv_d,
+                                            shifted, to_col)
                             conv_counters[s64 * H + h] = seen * 0
             else:  # a refused row: a padding row, recorded once per row (value head 0, first value tile)
                 out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
@@ -523,36 +419,3 @@ CURSOR_READER = 1 << 16
 
 # The every-step reductions are fp32 sums in registers; the flush's bf16 MMAs take exact operands (no tf32).
 _SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled(config_items: tuple[tuple[str, object], ...]) -> helion.Kernel:
-    config = helion.Config(**{k: _as_lists(v) for k, v in config_items})
-    return helion.kernel(replayssm_decode_kernel, config=config, **_SETTINGS)
-
-
-def _as_tuples(v: object) -> object:  # nested lists (``loop_orders=[[...]]``) -> hashable tuples
-    return tuple(_as_tuples(x) for x in v) if isinstance(v, list) else v
-
-
-def _as_lists(v: object) -> object:
-    return [_as_lists(x) for x in v] if isinstance(v, tuple) else v
-
-
-def _key(config: helion.Config) -> tuple[tuple[str, object], ...]:
-    return tuple(sorted((k, _as_tuples(v)) for k, v in config.config.items()))
-
-
-# hot-path cache by config object identity (the pinned configs are module constants); the config is
-# kept in the value so its id cannot be reused by another object
-_BY_CONFIG: dict[int, tuple[helion.Config, helion.Kernel]] = {}
-
-
-def decode_kernel_for(config: helion.Config) -> helion.Kernel:
-    """The decode kernel pinned to ``config`` (one compiled kernel object per distinct config)."""
-    hit = _BY_CONFIG.get(id(config))
-    if hit is not None and hit[0] is config:
-        return hit[1]
-    kern = _compiled(_key(config))
-    _BY_CONFIG[id(config)] = (config, kern)
-    return kern

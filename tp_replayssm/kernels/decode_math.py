@@ -1,9 +1,10 @@
 """Helpers of the decode kernel (:mod:`tp_replayssm.kernels.decode`), traced by Helion as ordinary torch code.
 
-They do math on values the kernel loaded; none indexes a kernel argument (Helion cannot lower that inside a helper),
-and stores at data-dependent rows stay in the kernel body. Vectors come in broadcastable (``[1, K]``, ``[Lb, 1]``):
-Helion 1.5.0 fails to lower an indexing such as ``x[None, :]`` of a kernel value inside a helper called from two
-loops.
+They do math on values the kernel loaded; none indexes a kernel argument (Helion cannot lower ``t[...]`` of one
+inside a helper: the helpers that load and store, :mod:`.decode_chunks` and :mod:`.decode_conv`, call ``hl.load`` and
+``hl.store``). Vectors come in broadcastable (``[1, K]``, ``[Lb, 1]``), or are broadcast with :func:`as_row` and
+:func:`as_col` (``hl.subscript``): Helion 1.5.0 fails to lower a torch indexing such as ``x[None, :]`` of a kernel
+value inside a helper called from two loops.
 """
 
 from __future__ import annotations
@@ -12,8 +13,18 @@ import torch
 
 import helion.language as hl
 
-__all__ = ["chunk_outputs", "decayed_keys", "g_entry", "gate_math", "k_entry", "qk_math", "ring_rows", "row_dots",
-           "split3_columns", "vector_tile"]
+__all__ = ["as_col", "as_row", "chunk_outputs", "decayed_keys", "flush_keys", "g_entry", "gate_math", "k_entry",
+           "qk_math", "ring_rows", "row_dots", "sglang_weights", "split3_columns", "vector_tile"]
+
+
+def as_col(x: torch.Tensor) -> torch.Tensor:
+    """``x [N]`` as ``[N, 1]``: the kernel body's ``x[:, None]`` (``hl.subscript``), which lowers in any helper."""
+    return hl.subscript(x, [slice(None), None])
+
+
+def as_row(x: torch.Tensor) -> torch.Tensor:
+    """``x [N]`` as ``[1, N]``: the kernel body's ``x[None, :]`` (``hl.subscript``), which lowers in any helper."""
+    return hl.subscript(x, [None, slice(None)])
 
 
 def qk_math(q: torch.Tensor, k: torch.Tensor, scale: float, use_l2norm: bool):
@@ -47,6 +58,23 @@ def decayed_keys(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor
         after = torch.sum(g_ring, dim=0, keepdim=True) - hl.cumsum(g_ring, 0)
     kdec = torch.where(valid[:, None], k_ring.to(torch.float32) * torch.exp(after), 0.0)
     return kdec, torch.sum(g_ring, dim=0)
+
+
+def sglang_weights(g_ring: torch.Tensor, k_ring: torch.Tensor, valid: torch.Tensor, reverse_scan: bool,
+                   eg: torch.Tensor, k: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(kdec, wk, wq, et, ak, aq)`` of the sglang layout, whose g ring holds gates: the decayed keys ``kdec [Lb,
+    K]`` (:func:`decayed_keys`), the ring weights ``wk = kdec @ (eg * k)`` and ``wq`` likewise ``[Lb]``, the ring's
+    decay ``et = exp(tot) [K]``, and the checkpoint weights ``ak = et * eg * k`` and ``aq`` likewise ``[K]``, so that
+    ``S' @ k = S0 @ ak + D^T wk``. ``eg = exp(g)``, ``k``, ``q``: fp32 ``[K]``."""
+    kdec, tot = decayed_keys(g_ring, k_ring, valid, reverse_scan)  # tiny batches: reverse scan
+    xk = eg * k
+    xq = eg * q
+    wk = torch.sum(kdec * as_row(xk), dim=1)  # [Lb]
+    wq = torch.sum(kdec * as_row(xq), dim=1)
+    et = torch.exp(tot)
+    ak = et * xk  # S0 @ ak = the checkpoint's part of S' @ k
+    aq = et * xq
+    return kdec, wk, wq, et, ak, aq
 
 
 def chunk_outputs(S0, d_ring, v_c, ak, aq, wk, wq, beta, kq):  # noqa: ANN001, ANN202 - traced by Helion
@@ -118,3 +146,14 @@ def split3_columns(xk, xq, col):  # noqa: ANN001, ANN202 - traced by Helion
     part = col % 8
     return torch.where(part == 0, full, torch.where(part == 1, rest1, torch.where(part == 2, rest2, 0.0))).to(
         torch.bfloat16)
+
+
+def flush_keys(kdec: torch.Tensor, decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(k_hi, k_mid, k_lo)`` bf16 ``[Lb, K]``: the flush's keys ``Kf = kdec * decay`` (``kdec [Lb, K]`` fp32,
+    ``decay [1, K]``) as ``hi + mid + lo`` bf16 parts (~2^-24 relative), exact operands of its MMAs."""
+    k_flush = kdec * decay  # [Lb, K]
+    k_hi = k_flush.to(torch.bfloat16)
+    k_rest = k_flush - k_hi.to(torch.float32)
+    k_mid = k_rest.to(torch.bfloat16)
+    k_lo = (k_rest - k_mid.to(torch.float32)).to(torch.bfloat16)
+    return k_hi, k_mid, k_lo
