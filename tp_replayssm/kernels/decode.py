@@ -20,7 +20,7 @@ import torch
 import helion.language as hl
 
 from .decode_chunks import chunk_step, empty_ring, mma_chunk, rebase_chunk
-from .decode_compile import decode_kernel_for
+from .decode_compile import _SETTINGS, CURSOR_READER, decode_kernel_for
 from .decode_conv import conv_prologue, conv_qk_windows
 from .decode_math import (flush_keys, g_entry, gate_math, k_entry, qk_math, ring_rows, row_dots, sglang_weights,
                           split3_columns, vector_tile)
@@ -56,20 +56,14 @@ def replayssm_decode_kernel(
     num_slots: int,  # S: a row whose slot is >= S is refused
     cv_base: int,  # fused_conv: the layer's first window row, and the window element stride of a slot
     cv_s: int,
-    scale: float,
-    lower_bound: float,
+    scale: float, lower_bound: float,
     st_s: int, st_h: int, st_v: int,  # checkpoint element strides (slot, head, value row)
     dr_s: int, dr_h: int, dr_l: int,  # d ring strides (slot, head, ring pos)
     kr_s: int, kr_h: int, kr_l: int,  # k ring strides
     gr_s: int, gr_h: int, gr_l: int,  # g ring strides
-    ring_length: hl.constexpr,
-    ring_block: hl.constexpr,
-    value_chunk: hl.constexpr,
-    use_l2norm: hl.constexpr,
-    use_lower_bound: hl.constexpr,
-    cursors_by_slot: hl.constexpr,
-    tiny_batch: hl.constexpr,
-    chunks_on_tensor_cores: hl.constexpr,
+    ring_length: hl.constexpr, ring_block: hl.constexpr, value_chunk: hl.constexpr,
+    use_l2norm: hl.constexpr, use_lower_bound: hl.constexpr,
+    cursors_by_slot: hl.constexpr, tiny_batch: hl.constexpr, chunks_on_tensor_cores: hl.constexpr,
     predecayed_ring: hl.constexpr,  # 0: sglang layout; pre-decayed 1: no rebase possible, 2/3: rebases (docs/kernel_design.md)
     advance_cursors: hl.constexpr = 0,  # 0, or the programs per row: they advance the cursor table (docs/kernel_design.md)
     vector_tiles: hl.constexpr = 0,  # 1: the append loop on state_vecs tiles, 2: and the pre-decayed keys on k_vecs
@@ -93,12 +87,10 @@ def replayssm_decode_kernel(
     group = HV // H
     # the flush's ring product on tensor cores: bf16 rings (exact MMA operands) and tiles of >= 16 x 16
     ring_on_tensor_cores = d_rows.dtype == torch.bfloat16 and value_chunk >= 16 and state_rows.size(1) >= 16
-    # the every-step products on tensor cores too when asked (configs: the streaming regime), for a bf16
-    # checkpoint (exact MMA operand, like the bf16 ring); otherwise fp32 row reductions in registers
+    # the every-step products on tensor cores too when asked, for a bf16 checkpoint; else fp32 sums in registers
     mma_chunks = chunks_on_tensor_cores and ring_on_tensor_cores and state_rows.dtype == torch.bfloat16
-    # Programmatic dependent launch (sm_90+; nothing elsewhere): wait at entry until the previous kernel
-    # in the stream has finished and its writes are visible, then let the next PDL kernel launch, so
-    # launches overlap the previous kernel's tail (docs/kernel_design.md)
+    # Programmatic dependent launch (sm_90+; nothing elsewhere): wait at entry until the previous kernel has finished
+    # and its writes are visible, then let the next PDL kernel launch early (docs/kernel_design.md)
     hl.pdl_wait()
     hl.pdl_launch_dependents()
     for tile_b, tile_h, tile_r, tv in hl.tile([B, H, group, V], block_size=[1, 1, 1, None]):
@@ -138,8 +130,7 @@ def replayssm_decode_kernel(
                                  extra_mask=live[None, :, None, None])
             elif not mma_chunks:
                 S_next = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
-            if advance_cursors and late_count:  # a plain read (readers ahead may have added their counts above the
-                # cursor's 16 bits); the count comes once the row's loads are out (below; docs/kernel_design.md)
+            if advance_cursors and late_count:  # a plain read; the count after the row's loads (kernel_design.md)
                 cur = write_pos[s64] & 65535
             elif advance_cursors:  # the fused advance (docs/kernel_design.md): the read is an atomic count of the readers
                 # 65536 = CURSOR_READER (a literal: Helion passes a module constant as a kernel argument)
@@ -163,13 +154,11 @@ def replayssm_decode_kernel(
                     named = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [named],
                                                       dtype=torch.int32, is_pure=True, pack=1)
                 ok = ok & (named == 1)
-            if advance_cursors and not late_count:  # the last of the readers of this word (every row naming the
-                # slot) stores it
+            if advance_cursors and not late_count:  # the last reader of the word (of every row naming the slot) stores
                 if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):
                     write_pos[s64] = torch.where(
                         ok, torch.where((cur >= ring_length - 1) | (force_flush[row] != 0), 0, cur + 1), cur)
-            # a cursor out of range still addresses its slot's first ring entry only (this depends on the cursor alone,
-            # not on the count above, so the ring loads below need not wait for it)
+            # a cursor out of range addresses entry 0 (from the cursor alone: the ring loads need not wait for the count)
             cur_read = cur
             cur = torch.where(cur_ok, cur, 0)
             forced = force_flush[row]
@@ -209,8 +198,7 @@ def replayssm_decode_kernel(
                         k_in = k3[row, h, :]
                     if not late_count:
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
-                if late_count:  # the row's loads are out: the reader count, and the last reader of the word stores the
-                    # moved cursor (a masked store: an `if` here parts the math below from its FMAs, docs/pitfalls.md)
+                if late_count:  # the row's loads are out: the count; the last reader stores (masked: docs/pitfalls.md)
                     if not tiny_batch:
                         a_in = a3[row, hv, :]
                         b_in = b2[row, hv]
@@ -305,12 +293,10 @@ def replayssm_decode_kernel(
                                 k_rows[s64 * kr_s + kh * kr_h + cur * kr_l, :] = k_entry(
                                     k, g_cum, keep, predecayed_ring).to(k_rows.dtype)
                     if predecayed_ring == 3:
-                        # A rebase: a second pass over the value tile folds the ring and this step's delta into the
-                        # checkpoint, S0*exp(G_c) + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (the ring
-                        # replayed as rank-1 updates: rebases are rare), then zeroes the deltas j <= c behind a CTA
-                        # barrier (other threads' loads of those rows must be done: Helion does not order a
-                        # write-after-read). Mode 2 takes the flush branch instead: a data-dependent choice of loop,
-                        # which made the 168-register programs spill on every step (docs/tuning.md)
+                        # A rebase: a second pass folds the ring and this step's delta into the checkpoint, S0*exp(G_c)
+                        # + delta (outer) k + sum_j d_j (outer) kt_j*exp(G_c) (rank-1 updates: rebases are rare), then
+                        # zeroes the deltas j <= c behind a CTA barrier (empty_ring). Mode 2 takes the flush branch: a
+                        # data-dependent choice of loop spilled the 168-register programs every step (docs/tuning.md)
                         if rebase:
                             for zchunk in hl.grid(tv.begin, tv.end, value_chunk):
                                 zrows = zchunk + hl.arange(value_chunk)
@@ -411,11 +397,3 @@ def replayssm_decode_kernel(
         else:
             out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
     return out3
-
-
-# The fused advance's count unit: a cursor table entry holds the cursor in its low 16 bits and, during a launch
-# with ``advance_cursors``, the number of the row's programs that have read it above them
-CURSOR_READER = 1 << 16
-
-# The every-step reductions are fp32 sums in registers; the flush's bf16 MMAs take exact operands (no tf32).
-_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)

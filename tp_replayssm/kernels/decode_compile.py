@@ -1,18 +1,28 @@
 """The decode kernel pinned to a Helion config: :func:`decode_kernel_for` (one compiled kernel object per distinct
-config), which :mod:`tp_replayssm.kernels.decode` exports with the kernel."""
+config), the settings it compiles with, and the fused advance's count unit :data:`CURSOR_READER`;
+:mod:`tp_replayssm.kernels.decode` exports them with the kernel."""
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
 import helion
 
-__all__ = ["decode_kernel_for"]
+__all__ = ["CURSOR_READER", "decode_kernel_for"]
+
+# The fused advance's count unit: a cursor table entry holds the cursor in its low 16 bits and, during a launch
+# with ``advance_cursors``, the number of the row's programs that have read it above them
+CURSOR_READER = 1 << 16
+
+# The every-step reductions are fp32 sums in registers; the flush's bf16 MMAs take exact operands (no tf32).
+_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(config_items: tuple[tuple[str, object], ...]) -> helion.Kernel:
-    from .decode import _SETTINGS, replayssm_decode_kernel  # (decode imports this module: no import at the top)
+    from .decode import replayssm_decode_kernel  # (decode imports this module: no import at the top)
 
     config = helion.Config(**{k: _as_lists(v) for k, v in config_items})
     return helion.kernel(replayssm_decode_kernel, config=config, **_SETTINGS)
