@@ -22,9 +22,8 @@ import helion
 
 from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
 
-__all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode", "late_count_rule",
-           "plan_decode",
-           "problem_of"]
+__all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode",
+           "late_count_rule", "plan_decode", "problem_of"]
 
 # (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
 TINY_BATCH_BELOW = 16
