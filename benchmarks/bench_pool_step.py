@@ -1,10 +1,17 @@
 """One layer's pool decode step on a GPU, graph-captured and averaged over a full ring cycle.
 
 Times ``pool.decode`` + ``pool.advance`` (or, with ``--fused``, ``pool.decode(..., advance=True)``; with ``--forms
-advance``, ``pool.advance`` alone: the cursor kernel, which an engine runs once per model step) for one layer as an
-engine runs it: each graph holds one full cursor cycle (L steps, the last one flushes) of one slot set, and the
-replays rotate over enough disjoint slot sets that the state streams from HBM (8x the L2). us/step = median replay
-time / L. It uses only the pool's public API, so the same script times any version of the library on the path:
+advance``, ``pool.advance`` alone: the cursor kernel, which an engine runs once per model step; with ``--forms
+decode``, ``pool.decode`` alone) for one layer as an engine runs it: each graph holds one full cursor cycle (L steps,
+the last one flushes) of one slot set, and the replays rotate over enough disjoint slot sets that the state streams
+from HBM (8x the L2). us/step = median replay time / L. The plain decode alone cannot move its own cursors, so its
+form holds one graph per cursor phase (one decode of every slot set; the cursors are moved between phases, outside
+the timing) and averages the L phases' medians. ``--layers N`` times a model step of N layers (N decodes, then the
+advance, or the last decode fused with it) and reports us per layer step; ``--settle`` frees the previous shape's
+memory and graphs (``gc.collect``, ``torch.cuda.empty_cache``) before each shape; ``--conv W`` gives the pool a conv
+of kernel W and every decode pre-conv ``mixed_qkv`` with ``conv_weight``/``conv_bias`` (the library's plan: fused from
+256 pairs, else the conv's own launch; docs/conv.md), so the conv's cost reads against the same command without it.
+It uses only the pool's public API, so the same script times any version of the library on the path:
 an A/B of a kernel change runs it twice, once with the other checkout first on PYTHONPATH.
 
     python benchmarks/bench_pool_step.py --out step.json                  # the standard shapes
@@ -15,6 +22,7 @@ an A/B of a kernel change runs it twice, once with the other checkout first on P
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -22,7 +30,7 @@ import sys
 import time
 
 STANDARD = "8x1,32x1,8x8,32x8,8x32,32x32,8x128,32x128,8x512,32x512"  # HVxB
-FORMS = ("decode+advance", "fused", "advance")
+FORMS = ("decode+advance", "fused", "advance", "decode")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,8 +43,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fused", action="store_true", help="the advance fused into the decode (else decode + advance)")
     p.add_argument("--both", action="store_true", help="time both forms")
     p.add_argument("--forms", default=None,
-                   help="comma-separated forms to time, from decode+advance, fused, advance (the cursor kernel alone); "
+                   help="comma-separated forms to time, from decode+advance, fused, advance (the cursor kernel alone), "
+                        "decode (the plain decode alone, every cursor phase); "
                         "replaces --fused and --both")
+    p.add_argument("--layers", type=int, default=1, help="layers per model step (decodes before the one advance)")
+    p.add_argument("--settle", action="store_true", help="free the previous shape's memory before each shape")
+    p.add_argument("--conv", type=int, default=0, help="the pool's conv kernel W (0: none): decodes take pre-conv inputs")
     p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
     p.add_argument("--out", default=None, help="JSON file for the rows")
     args = p.parse_args(argv)
@@ -50,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, reps: int) -> dict:
+def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, reps: int, layers: int = 1,
+               conv: int = 0) -> dict:
     import torch
 
     from tp_replayssm import KDAHeads, ReplaySSMStatePool
@@ -60,10 +73,10 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
     K = V = 128
     state_bytes = hv * V * K * dt.itemsize
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    sets = max(2, min(64, -(-8 * l2 // (batch * state_bytes))))
+    sets = max(2, min(64, -(-8 * l2 // (layers * batch * state_bytes))))
     heads = KDAHeads(hv, hv, K, V)
-    pool = ReplaySSMStatePool(heads, num_layers=1, num_slots=sets * batch, ring_length=L, state_dtype=dt,
-                              ring_layout=layout, device=dev)
+    pool = ReplaySSMStatePool(heads, num_layers=layers, num_slots=sets * batch, ring_length=L, state_dtype=dt,
+                              ring_layout=layout, device=dev, conv_kernel_size=conv)
     ids = pool.alloc(sets * batch)
     gen = torch.Generator(device=dev).manual_seed(0)
     pool.checkpoint.normal_(0, 0.05, generator=gen)
@@ -74,13 +87,26 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
     A_log = torch.empty(hv, device=dev).uniform_(-1, 0.5, generator=gen)
     dt_bias = torch.empty(hv * K, device=dev).uniform_(-4, 0, generator=gen)
     out = torch.empty(batch, 1, hv, V, dtype=torch.bfloat16, device=dev)
+    conv_args = {}
+    if conv:  # depthwise taps and bias over mixed_qkv's columns, bf16 like the activations
+        conv_args = dict(conv_weight=(torch.randn(width, conv, device=dev, generator=gen) * 0.3).bfloat16(),
+                         conv_bias=(torch.randn(width, device=dev, generator=gen) * 0.1).bfloat16())
     slot_sets = [ids[i * batch:(i + 1) * batch].clone() for i in range(sets)]
 
     def step(slots: torch.Tensor) -> None:
         if form != "advance":
-            pool.decode(0, x, a, b, A_log, dt_bias, slots, out=out, advance=form == "fused")
-        if form != "fused":
+            for layer in range(layers):
+                pool.decode(layer, x, a, b, A_log, dt_bias, slots, out=out,
+                            advance=form == "fused" and layer == layers - 1, **conv_args)
+        if form in ("decode+advance", "advance"):
             pool.advance(slots)
+
+    if form == "decode":
+        phases = [us / layers for us in time_phases(pool, step, slot_sets, ids, L, reps)]
+        pool.check()
+        us = statistics.fmean(phases)
+        return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=False, sets=sets,
+                    layers=layers, conv=conv, us_per_step=us, us_min=min(phases), phase_us=phases)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -109,9 +135,44 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / (len(graphs) * L))
-    pool.check() if hasattr(pool, "check") else None
+    pool.check()
+    per = 1 if form == "advance" else layers  # us per layer step; the cursor kernel alone runs once per model step
     return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=form == "fused", sets=sets,
-                us_per_step=statistics.median(times), us_min=min(times))
+                layers=layers, conv=conv, us_per_step=statistics.median(times) / per, us_min=min(times) / per)
+
+
+def time_phases(pool, step, slot_sets: list, ids, L: int, reps: int) -> list[float]:
+    """us per step of ``step`` (the plain decode) at each of the L cursor phases: per phase one graph of one step of
+    every slot set, its median replay time over ``reps``; the cursors move to the next phase between phases."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: compiles and records the direct launches
+        for s in slot_sets:
+            step(s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    medians = []
+    for phase in range(L):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for s in slot_sets:
+                step(s)
+        g.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3 / len(slot_sets))
+        medians.append(statistics.median(times))
+        pool.advance(ids)  # every slot to the next phase (the last phase's decode flushed: back to 0)
+        torch.cuda.synchronize()
+    return medians
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -129,8 +190,13 @@ def main(argv: list[str] | None = None) -> None:
         for shape in args.shapes.split(","):
             hv, batch = (int(v) for v in shape.split("x"))
             for form in forms:
+                if args.settle:
+                    gc.collect()
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
                 t0 = time.time()
-                row = time_shape(hv, batch, state, args.layout, args.ring_length, form, args.reps)
+                row = time_shape(hv, batch, state, args.layout, args.ring_length, form, args.reps, args.layers,
+                                 args.conv)
                 rows.append(row)
                 print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {form}: "
                       f"{row['us_per_step']:8.2f} us/step (min {row['us_min']:.2f}; {row['sets']} sets; "

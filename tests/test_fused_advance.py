@@ -29,10 +29,12 @@ ON_GPU = torch.cuda.is_available()
 
 def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps: int, predecayed: bool,
                state_dtype: torch.dtype = torch.float32, A_log_shift: float = 0.0, seed: int = 0,
-               tiny: bool | None = None, device: torch.device = torch.device("cpu")) -> tuple[tuple, tuple]:
+               tiny: bool | None = None, device: torch.device = torch.device("cpu"),
+               separate_edits: dict | None = None) -> tuple[tuple, tuple]:
     """``steps`` decode steps of one batch (slots shuffled over ``S``, one padding row, forced flushes) twice
     from the same caches: fused, and decode then ``kernels.cursor.advance``. Returns both runs' (outputs per
-    step, final caches, cursor history). ``tiny``: the launch plan's ``tiny_batch`` (None: the library's)."""
+    step, final caches, cursor history). ``tiny``: the launch plan's ``tiny_batch`` (None: the library's);
+    ``separate_edits``: further edits of the plain decode's plan (with ``tiny``)."""
     gen = torch.Generator().manual_seed(seed)
     params = random_head_params(HV, K, generator=gen)
     params = dataclasses.replace(params, A_log=(params.A_log + A_log_shift).to(device),
@@ -61,7 +63,7 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
             if tiny is not None:
                 dims = validate_decode(call, ring_layout=layout, cursor_table=True)
                 plan = dataclasses.replace(plan_for(call, dims, ring_layout=layout, cursor_table=True, advance=fused),
-                                           tiny_batch=tiny)
+                                           tiny_batch=tiny, **({} if fused else separate_edits or {}))
             run_decode(call, ring_layout=layout, cursor_table=True, advance=fused, plan=plan)
             if not fused:
                 cursor.advance(cursors, slots, flags[t], L)
@@ -127,6 +129,22 @@ def test_late_count_matches_decode_then_advance_bitwise(predecayed: bool, A_log_
                                  state_dtype=torch.bfloat16, A_log_shift=A_log_shift, tiny=tiny)
     _assert_same(separate, fused, 5, 3)
     assert set(seen) == {(0, False), (6, True)}, seen
+
+
+@pytest.mark.parametrize("predecayed, A_log_shift", [(False, 0.0), (True, 4.5)],
+                         ids=["sglang-layout", "predecayed-rebasing"])
+def test_early_qk_matches_the_plain_decode_bitwise(predecayed: bool, A_log_shift: float,
+                                                   monkeypatch: pytest.MonkeyPatch, interpreter: None) -> None:
+    """The plain decode's ``early_qk`` form (``DecodePlan.early_qk``: q and k loaded beside the slot and normalized
+    before the slot's verdict) against the same plan without it, bit for bit: outputs, caches and cursors over every
+    cursor phase, flushes, forced flushes and a padding row (the batch path, bf16 checkpoint); checked to reach the
+    kernel."""
+    seen = record_kernel_args(monkeypatch, "advance_cursors", "early_qk")
+    runs = [_run_steps(B=3, H=1, HV=3, K=16, V=64, L=3, S=5, steps=4, predecayed=predecayed,
+                       state_dtype=torch.bfloat16, A_log_shift=A_log_shift, tiny=False,
+                       separate_edits=dict(early_qk=early))[0] for early in (False, True)]
+    _assert_same(runs[0], runs[1], 5, 3)
+    assert {(0, False), (0, True)} <= set(seen), seen
 
 
 def test_cursor_readers_counts_programs_per_row_and_refuses_overflow() -> None:

@@ -60,10 +60,10 @@ def _step(pool: ReplaySSMStatePool, params: object, slots: list[int], how: str, 
 BAD = bad_slot_cases(S)  # slots of one call -> the bad rows
 
 
-def _run_case(layout: str, how: str, case: str) -> None:
+def _run_case(layout: str, how: str, case: str, **pool_kw: object) -> None:
     slots, bad_rows = BAD[case]
-    pool, params = _pool(layout)
-    twin, _ = _pool(layout)
+    pool, params = _pool(layout, **pool_kw)
+    twin, _ = _pool(layout, **pool_kw)
     clean = [-1 if i in bad_rows else s for i, s in enumerate(slots)]
     out = _step(pool, params, slots, how)
     expect = _step(twin, params, clean, how)
@@ -93,15 +93,22 @@ def test_bad_slots_are_padding_rows_and_reported(layout: str, how: str, case: st
     _run_case(layout, how, case)
 
 
-@pytest.mark.parametrize("how,layout", [("fused", "predecayed"), ("advance", "sglang")])
-def test_kernels_refuse_bad_slots_in_the_interpreter(how: str, layout: str, interpreter: None) -> None:
-    """The Helion decode kernel (both ring layouts, with and without the fused advance) and the cursor advance
+@pytest.mark.parametrize("how,layout,state", [("fused", "predecayed", "fp32"), ("advance", "sglang", "fp32"),
+                                              ("decode", "predecayed", "bf16")])
+def test_kernels_refuse_bad_slots_in_the_interpreter(how: str, layout: str, state: str, interpreter: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Helion decode kernel (both ring layouts, with and without the fused advance; with a bf16 checkpoint the
+    plain decode's ``early_qk`` form, which normalizes q and k before the slot's verdict) and the cursor advance
     kernel, one call with every kind of bad row at once."""
+    from _decode_scenario import record_kernel_args
+
+    seen = record_kernel_args(monkeypatch, "early_qk")
     BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
     try:
-        _run_case(layout, how, "all")
+        _run_case(layout, how, "all", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
     finally:
         del BAD["all"]
+    assert seen and all(early == (state == "bf16") for (early,) in seen), seen
 
 
 def test_advance_alone_refuses_and_reports() -> None:

@@ -78,6 +78,7 @@ def replayssm_decode_kernel(
     cw_d: hl.constexpr = 0,  # taps' element strides: channel, tap
     cw_i: hl.constexpr = 0,
     late_count: hl.constexpr = False,  # the fused advance's reader count after the row's loads (plan.late_count_rule)
+    early_qk: hl.constexpr = False,  # q, k loaded beside the slot, normalized as the cursor loads (plan.early_qk_rule)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -109,8 +110,8 @@ def replayssm_decode_kernel(
             others = hl.arange(named_block)
             named_tile = hl.load(slots, [others], extra_mask=others < B)
         slot = slots[row]
-        if tiny_batch:  # the latency path: the row's inputs (always in range) load beside the slot, not after its
-            if not fused_conv:  # verdict (pre-conv q/k are read by the conv itself)
+        if tiny_batch or early_qk:  # the row's inputs (always in range) load beside the slot, not after its verdict
+            if not fused_conv:  # (pre-conv q/k are read by the conv itself)
                 q_in = q3[row, h, :]
                 k_in = k3[row, h, :]
             a_in = a3[row, hv, :]
@@ -140,6 +141,8 @@ def replayssm_decode_kernel(
                 cur = write_pos[s64]  # the pool's cursor table [S + 1]
             else:
                 cur = write_pos[row]
+            if early_qk:  # outside the verdict's branch, so the compiler cannot sink q/k's loads into it
+                q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
             cur_ok = in_range & (cur >= 0) & (cur < ring_length)
             ok = cur_ok
             if cursors_by_slot:  # how many rows of the call name this slot
@@ -192,7 +195,7 @@ def replayssm_decode_kernel(
                     q, k, shifted, to_col = conv_prologue(
                         conv_rows, conv_w, conv_b, q3, k3, v3, out3, row, h, hv, tv, H, V, kk, ci, in_window, last_tap,
                         cv_row, cv_d, cw_d, cw_i, conv_size, conv_has_bias, fused_conv, on_gpu, scale, use_l2norm)
-                else:
+                elif not early_qk:
                     if not tiny_batch:
                         q_in = q3[row, h, :]
                         k_in = k3[row, h, :]
@@ -207,11 +210,11 @@ def replayssm_decode_kernel(
                              extra_mask=((counted >> 16) & 65535) >= advance_cursors - 1)
                     if not fused_conv:
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
-                if not tiny_batch and not late_count:
+                if not tiny_batch and not late_count and not early_qk:
                     a_in = a3[row, hv, :]
                 x = a_in.to(torch.float32) + dt_bias2[hv, :]
                 g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
-                if not tiny_batch and not late_count:
+                if not tiny_batch and not late_count and not early_qk:
                     b_in = b2[row, hv]
                 beta = torch.sigmoid(b_in.to(torch.float32))
                 eg = torch.exp(g)

@@ -23,7 +23,7 @@ import helion
 from ..validation import PREDECAYED_MAX_LOG_DECAY, DecodeDims
 
 __all__ = ["FUSE_CONV_FROM", "DecodePlan", "DecodeProblem", "conv_readers", "fusable", "fused_conv_mode",
-           "late_count_rule", "plan_decode", "problem_of"]
+           "early_qk_rule", "late_count_rule", "plan_decode", "problem_of"]
 
 # (row, value head) pairs below which the kernel takes its latency path (whole-ring loads, reverse scan)
 TINY_BATCH_BELOW = 16
@@ -51,6 +51,8 @@ H200_SMS = 132
 # (row, value head) pairs from which the library fuses the pool's conv into the decode launch; below, the conv's own
 # launch (form "once") then the decode is faster (docs/tuning.md, "The conv: fused or its own launch")
 FUSE_CONV_FROM = 256
+# the plain decode's q/k before the slot's verdict (early_qk_rule) up to this many (row, value head) pairs
+EARLY_QK_UPTO = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +122,8 @@ class DecodePlan:
     conv_readers: int = 0  # fused_conv == 2: the programs of one (row, q/k head), HV/H * ceil(V / value_tile)
     late_count: bool = False  # the fused advance reads the cursor with a plain load and takes its reader count once
     # the row's loads are out (else the read is the count); see late_count_rule
+    early_qk: bool = False  # the plain decode loads q and k beside the slot and normalizes them while the cursor
+    # loads, not after the slot's verdict; see early_qk_rule
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -138,7 +142,7 @@ class DecodePlan:
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
                     on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers,
-                    late_count=self.late_count)
+                    late_count=self.late_count, early_qk=self.early_qk)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -167,6 +171,9 @@ class DecodePlan:
         if self.late_count and self.on_gpu and self.num_warps != 1:  # docs/kernel_design.md, the fused advance
             raise ValueError(f"DecodePlan: `late_count` needs one-warp programs on a GPU (a warp's cursor load must "
                              f"return before its count); got num_warps={self.num_warps}")
+        if self.early_qk and (self.fused_conv or self.evict_state_first):  # (the conv reads q/k itself)
+            raise ValueError("DecodePlan: `early_qk` needs the post-conv q and k (no fused_conv) and no "
+                             f"evict_state_first (whose load positions it would move); got {self}")
         if self.vector_tiles and self.tensor_core_chunks:
             raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
         if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
@@ -332,6 +339,19 @@ def late_count_rule(advance: bool, vector_tiles: int, tensor_core_chunks: bool, 
     return advance and (vector_tiles == 2 or tensor_core_chunks) and not fused_conv
 
 
+def early_qk_rule(problem: DecodeProblem, tiny_batch: bool, fused_conv: int, num_warps: int,
+                  evict_state_first: bool) -> bool:
+    """Whether the plain decode loads q and k beside the slot and normalizes them while the cursor loads
+    (``DecodePlan.early_qk``): the pool's calls (cursor table) on the pre-decayed layout with a bf16 checkpoint and
+    no lower bound, on the batch path's one-warp programs up to :data:`EARLY_QK_UPTO` (row, value head) pairs,
+    without the fused advance or conv: the programs the H200 measured faster (docs/tuning.md, "Slot checks"). The
+    interpreter's programs (4 warps) follow the same rule."""
+    return (not problem.advance and not tiny_batch and not fused_conv and not evict_state_first
+            and problem.cursor_table and problem.ring_layout == "predecayed" and not problem.use_lower_bound
+            and problem.state_dtype == torch.bfloat16 and (num_warps == 1 or problem.device_type != "cuda")
+            and problem.batch * problem.num_v_heads <= EARLY_QK_UPTO)
+
+
 def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
     """The programs that read one row's cursor (``HV * ceil(V / value_tile)``): the fused advance counts them in
     the cursor word's upper 15 bits, so at most 32767 of them and rings of at most 65535 entries."""
@@ -364,14 +384,16 @@ def plan_decode(problem: DecodeProblem, *, fuse_conv: bool | None = None) -> Dec
         fuse_conv = problem.batch * problem.num_v_heads >= FUSE_CONV_FROM
     fused, readers = fused_conv_mode(problem, vt) if fuse_conv else (0, 0)
     vector_tiles = _vector_tiles(problem, vt, chunk, warps, mma)
+    tiny = problem.batch * problem.num_v_heads < TINY_BATCH_BELOW
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
-        tiny_batch=problem.batch * problem.num_v_heads < TINY_BATCH_BELOW,
+        tiny_batch=tiny,
         vector_tiles=vector_tiles, predecayed_ring=mode,
         advance_readers=cursor_readers(problem, vt) if problem.advance else 0,
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())) if problem.cursor_table else 16,
         on_gpu=problem.device_type == "cuda", cursor_table=problem.cursor_table,
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
         use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound, fused_conv=fused,
-        conv_readers=readers, late_count=late_count_rule(problem.advance, vector_tiles, mma, fused))
+        conv_readers=readers, late_count=late_count_rule(problem.advance, vector_tiles, mma, fused),
+        early_qk=early_qk_rule(problem, tiny, fused, warps, evict))
