@@ -3,7 +3,10 @@
 # (benchmarks/bench_pool_step.py run twice, graph-captured, cycle-averaged), after a selection of GPU tests.
 #   usage (on the GPU machine; carry .devwheels and the folder BASE, which holds the other checkout's tp_replayssm/):
 #     BASE=.devab/base_pkg TESTS="tests/test_slot_safety.py tests/test_op_gpu.py" bash benchmarks/run_device_ab.sh
-#   env: SHAPES_BF16 / SHAPES_FP32 (HVxB lists for bench_pool_step), TEST_TIMEOUT (default 240 s)
+#   env: SHAPES_BF16 / SHAPES_FP32 (HVxB lists for bench_pool_step), TEST_TIMEOUT (default 240 s), STEP_ARGS (the
+#   bench's form options, default "--both"; below B = 128 a one-layer cycle keeps the state in L2, so time small
+#   batches with "--forms decode" or "--layers 8 --forms fused,decode+advance": docs/pitfalls.md), ROUNDS (default 1:
+#   the sides alternate, one process each, per round)
 set -u
 source benchmarks/device_setup.sh || exit 1
 if [ -n "${TESTS:-}" ]; then
@@ -16,12 +19,15 @@ if [ -n "${TESTS:-}" ]; then
 fi
 bf16=${SHAPES_BF16:-8x1,32x1,8x8,32x8,8x32,8x128,32x128,8x512}
 fp32=${SHAPES_FP32:-8x8,32x128}
-for side in base new; do
-  if [ $side = base ]; then path=/tmp/site:$PWD/${BASE:?}:$PWD; else path=/tmp/site:$PWD; fi
-  echo "== $(date +%T) $side"
-  for spec in "bf16 $bf16" "fp32 $fp32"; do
-    set -- $spec
-    PYTHONPATH=$path python3 benchmarks/bench_pool_step.py --both --state "$1" --shapes "$2" \
-      --out "$OUT/step_${side}_$1.json" 2>&1 | grep -v Warning
+for round in $(seq 1 "${ROUNDS:-1}"); do
+  for side in base new; do
+    if [ $side = base ]; then path=/tmp/site:$PWD/${BASE:?}:$PWD; else path=/tmp/site:$PWD; fi
+    echo "== $(date +%T) $side r$round"
+    for spec in "bf16 $bf16" "fp32 $fp32"; do
+      set -- $spec
+      # shellcheck disable=SC2086  # STEP_ARGS is a list of options
+      PYTHONPATH=$path python3 benchmarks/bench_pool_step.py ${STEP_ARGS:---both} --state "$1" --shapes "$2" \
+        --out "$OUT/step_${side}_$1_r$round.json" 2>&1 | grep -v Warning
+    done
   done
 done

@@ -364,3 +364,17 @@ def test_sass_hashes_ignore_addresses_and_encodings_not_instructions() -> None:
     assert sass_hashes.compare({"a": {"hash": "1"}, "b": {"hash": "9"}, "d": {"hash": "4"}}, base) == [
         "b: 2 -> 9", "c: 3 -> missing", "d: missing -> 4"]
     assert sass_hashes.compare(base, base) == []
+
+
+def test_bench_pool_step_forms_and_streaming_options() -> None:
+    """``bench_pool_step.py``'s forms (the plain decode alone among them) and the options of the state-streaming
+    measurements (``--layers``, ``--settle``, ``--conv``); an unknown form is refused when the arguments are parsed."""
+    import bench_pool_step as bps
+
+    args = bps.parse_args(["--forms", "decode,fused", "--layers", "8", "--settle", "--conv", "4"])
+    assert args.form_list == ("decode", "fused") and args.layers == 8 and args.settle and args.conv == 4
+    defaults = bps.parse_args([])
+    assert defaults.form_list == ("decode+advance",) and defaults.layers == 1 and not defaults.settle
+    assert defaults.conv == 0 and bps.parse_args(["--both"]).form_list == ("decode+advance", "fused")
+    with pytest.raises(SystemExit):
+        bps.parse_args(["--forms", "decode,verify"])
