@@ -10,7 +10,9 @@ the timing) and averages the L phases' medians. ``--layers N`` times a model ste
 advance, or the last decode fused with it) and reports us per layer step; ``--settle`` frees the previous shape's
 memory and graphs (``gc.collect``, ``torch.cuda.empty_cache``) before each shape; ``--conv W`` gives the pool a conv
 of kernel W and every decode pre-conv ``mixed_qkv`` with ``conv_weight``/``conv_bias`` (the library's plan: fused from
-256 pairs, else the conv's own launch; docs/conv.md), so the conv's cost reads against the same command without it.
+256 pairs, else the conv's own launch; docs/conv.md), so the conv's cost reads against the same command without it;
+``--override`` / ``--fused-override`` replace fields of the plain / fused decodes' launch plans (``plan_args.py``: the
+library's plan of each shape with those fields changed and checked), to time a plan choice without another package.
 It uses only the pool's public API, so the same script times any version of the library on the path:
 an A/B of a kernel change runs it twice, once with the other checkout first on PYTHONPATH.
 
@@ -49,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=1, help="layers per model step (decodes before the one advance)")
     p.add_argument("--settle", action="store_true", help="free the previous shape's memory before each shape")
     p.add_argument("--conv", type=int, default=0, help="the pool's conv kernel W (0: none): decodes take pre-conv inputs")
+    p.add_argument("--override", type=override_arg, default={},
+                   help="DecodePlan fields of the plain decodes' plans, e.g. 'early_qk=false' (plan_args.py)")
+    p.add_argument("--fused-override", type=override_arg, default={},
+                   help="DecodePlan fields of the fused decode's plan (the step's last with --forms fused)")
     p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
     p.add_argument("--out", default=None, help="JSON file for the rows")
     args = p.parse_args(argv)
@@ -62,8 +68,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def override_arg(text: str) -> dict:
+    """``--override``'s type: ``field=value[,...]`` of ``DecodePlan`` (plan_args.override_arg, imported late so
+    that ``--help`` needs no package)."""
+    from plan_args import override_arg as parse
+
+    return parse(text)
+
+
+def step_plans(hv: int, batch: int, state: str, layout: str, L: int, conv: int, plain: dict, fused: dict) -> tuple:
+    """``(plain decode's plan, fused decode's plan)``: the library's with the fields of ``plain`` / ``fused``
+    replaced (plan_args.build_plan, which checks them), None where no field is given (the pool's own choice)."""
+    from plan_args import build_plan
+
+    def plan(advance: bool, changes: dict) -> object:
+        return build_plan(batch=batch, heads=hv, state=state, layout=layout, ring_length=L, advance=advance,
+                          cursor_table=True, conv_kernel_size=conv, override=changes) if changes else None
+
+    return plan(False, plain), plan(True, fused)
+
+
 def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, reps: int, layers: int = 1,
-               conv: int = 0) -> dict:
+               conv: int = 0, override: dict | None = None, fused_override: dict | None = None) -> dict:
     import torch
 
     from tp_replayssm import KDAHeads, ReplaySSMStatePool
@@ -93,11 +119,14 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
                          conv_bias=(torch.randn(width, device=dev, generator=gen) * 0.1).bfloat16())
     slot_sets = [ids[i * batch:(i + 1) * batch].clone() for i in range(sets)]
 
+    plain_plan, fused_plan = step_plans(hv, batch, state, layout, L, conv, override or {}, fused_override or {})
+
     def step(slots: torch.Tensor) -> None:
         if form != "advance":
             for layer in range(layers):
-                pool.decode(layer, x, a, b, A_log, dt_bias, slots, out=out,
-                            advance=form == "fused" and layer == layers - 1, **conv_args)
+                fused = form == "fused" and layer == layers - 1
+                pool.decode(layer, x, a, b, A_log, dt_bias, slots, out=out, advance=fused,
+                            plan=fused_plan if fused else plain_plan, **conv_args)
         if form in ("decode+advance", "advance"):
             pool.advance(slots)
 
@@ -196,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
                     torch.cuda.empty_cache()
                 t0 = time.time()
                 row = time_shape(hv, batch, state, args.layout, args.ring_length, form, args.reps, args.layers,
-                                 args.conv)
+                                 args.conv, args.override, args.fused_override)
+                row.update(override=args.override, fused_override=args.fused_override)
                 rows.append(row)
                 print(f"HV{hv:<3} B{batch:<4} {state} {args.layout} {form}: "
                       f"{row['us_per_step']:8.2f} us/step (min {row['us_min']:.2f}; {row['sets']} sets; "

@@ -378,3 +378,11 @@ def test_bench_pool_step_forms_and_streaming_options() -> None:
     assert defaults.conv == 0 and bps.parse_args(["--both"]).form_list == ("decode+advance", "fused")
     with pytest.raises(SystemExit):
         bps.parse_args(["--forms", "decode,verify"])
+    args = bps.parse_args(["--override", "early_qk=false", "--fused-override", "value_tile=64"])
+    assert args.override == {"early_qk": False} and args.fused_override == {"value_tile": 64}
+    with pytest.raises(SystemExit):
+        bps.parse_args(["--override", "no_such_field=1"])
+    plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 0, {"early_qk": False}, {})
+    assert fused is None and not plain.early_qk and plain.cursor_table and not plain.advance_readers
+    plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 0, {}, {"value_tile": 128})
+    assert plain is None and fused.value_tile == 128 and fused.advance_readers == 32  # derived fields follow
