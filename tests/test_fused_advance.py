@@ -30,11 +30,11 @@ ON_GPU = torch.cuda.is_available()
 def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps: int, predecayed: bool,
                state_dtype: torch.dtype = torch.float32, A_log_shift: float = 0.0, seed: int = 0,
                tiny: bool | None = None, device: torch.device = torch.device("cpu"),
-               separate_edits: dict | None = None) -> tuple[tuple, tuple]:
+               separate_edits: dict | None = None, fused_edits: dict | None = None) -> tuple[tuple, tuple]:
     """``steps`` decode steps of one batch (slots shuffled over ``S``, one padding row, forced flushes) twice
     from the same caches: fused, and decode then ``kernels.cursor.advance``. Returns both runs' (outputs per
     step, final caches, cursor history). ``tiny``: the launch plan's ``tiny_batch`` (None: the library's);
-    ``separate_edits``: further edits of the plain decode's plan (with ``tiny``)."""
+    ``separate_edits`` / ``fused_edits``: further edits of the plain / fused decode's plan (with ``tiny``)."""
     gen = torch.Generator().manual_seed(seed)
     params = random_head_params(HV, K, generator=gen)
     params = dataclasses.replace(params, A_log=(params.A_log + A_log_shift).to(device),
@@ -63,7 +63,7 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
             if tiny is not None:
                 dims = validate_decode(call, ring_layout=layout, cursor_table=True)
                 plan = dataclasses.replace(plan_for(call, dims, ring_layout=layout, cursor_table=True, advance=fused),
-                                           tiny_batch=tiny, **({} if fused else separate_edits or {}))
+                                           tiny_batch=tiny, **((fused_edits if fused else separate_edits) or {}))
             run_decode(call, ring_layout=layout, cursor_table=True, advance=fused, plan=plan)
             if not fused:
                 cursor.advance(cursors, slots, flags[t], L)
@@ -145,6 +145,19 @@ def test_early_qk_matches_the_plain_decode_bitwise(predecayed: bool, A_log_shift
                        separate_edits=dict(early_qk=early))[0] for early in (False, True)]
     _assert_same(runs[0], runs[1], 5, 3)
     assert {(0, False), (0, True)} <= set(seen), seen
+
+
+def test_early_qk_in_the_fused_advance_matches_decode_then_advance_bitwise(monkeypatch: pytest.MonkeyPatch,
+                                                                           interpreter: None) -> None:
+    """``early_qk`` is the plain decode's choice, but the kernel runs it with the fused advance as well (a plan edit
+    a benchmark may time): the late count's fused step with it against the decode then the advance without it, bit
+    for bit (pre-decayed, rebasing heads, bf16 checkpoint, the batch path)."""
+    seen = record_kernel_args(monkeypatch, "advance_cursors", "late_count", "early_qk")
+    separate, fused = _run_steps(B=3, H=1, HV=3, K=16, V=64, L=3, S=5, steps=4, predecayed=True,
+                                 state_dtype=torch.bfloat16, A_log_shift=4.5, tiny=False,
+                                 separate_edits=dict(early_qk=False), fused_edits=dict(early_qk=True))
+    _assert_same(separate, fused, 5, 3)
+    assert set(seen) == {(0, False, False), (6, True, True)}, seen
 
 
 def test_cursor_readers_counts_programs_per_row_and_refuses_overflow() -> None:
