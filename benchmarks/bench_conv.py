@@ -134,22 +134,10 @@ def capture(calls: list, stream: object) -> object:
 
 
 def time_graphs(graphs: list, steps_per_graph: int, reps: int) -> float:
-    """Median us per step over ``reps`` rounds that replay every graph once."""
-    import torch
+    """Median us per step over ``reps`` rounds that replay every graph once (bench_pool_step.replay_us)."""
+    from bench_pool_step import replay_us
 
-    for g in graphs:
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for g in graphs:
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (len(graphs) * steps_per_graph))
-    return statistics.median(times)
+    return statistics.median(replay_us(graphs, len(graphs) * steps_per_graph, reps))
 
 
 def check_conv(pool: object, x: object, weight: object, bias: object, slots: object, plan: object = None) -> dict:

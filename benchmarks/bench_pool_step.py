@@ -137,14 +137,12 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
         return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=False, sets=sets,
                     layers=layers, conv=conv, us_per_step=us, us_min=min(phases), phase_us=phases)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: compiles, records the direct launches, a full cycle per set
+    def cycles() -> None:  # a full cycle per set
         for s in slot_sets:
             for _ in range(L):
                 step(s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+
+    warm_up(cycles)
     graphs = []
     for s in slot_sets:
         g = torch.cuda.CUDAGraph()
@@ -152,7 +150,31 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
             for _ in range(L):
                 step(s)
         graphs.append(g)
-    for g in graphs:  # one cycle each: the cursors are back where capture left them
+    times = replay_us(graphs, len(graphs) * L, reps)  # one cycle each: the cursors are back where capture left them
+    pool.check()
+    per = 1 if form == "advance" else layers  # us per layer step; the cursor kernel alone runs once per model step
+    return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=form == "fused", sets=sets,
+                layers=layers, conv=conv, us_per_step=statistics.median(times) / per, us_min=min(times) / per)
+
+
+def warm_up(run) -> None:
+    """``run()`` once on a side stream (compiles, records the direct launches), then synchronize."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def replay_us(graphs: list, steps: int, reps: int) -> list[float]:
+    """us per step of ``reps`` rounds, each replaying every graph once (``steps`` steps in all), after one untimed
+    round."""
+    import torch
+
+    for g in graphs:
         g.replay()
     torch.cuda.synchronize()
     times = []
@@ -163,11 +185,8 @@ def time_shape(hv: int, batch: int, state: str, layout: str, L: int, form: str, 
             g.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (len(graphs) * L))
-    pool.check()
-    per = 1 if form == "advance" else layers  # us per layer step; the cursor kernel alone runs once per model step
-    return dict(hv=hv, batch=batch, state=state, layout=layout, L=L, form=form, fused=form == "fused", sets=sets,
-                layers=layers, conv=conv, us_per_step=statistics.median(times) / per, us_min=min(times) / per)
+        times.append(start.elapsed_time(end) * 1e3 / steps)
+    return times
 
 
 def time_phases(pool, step, slot_sets: list, ids, L: int, reps: int) -> list[float]:
@@ -175,30 +194,18 @@ def time_phases(pool, step, slot_sets: list, ids, L: int, reps: int) -> list[flo
     every slot set, its median replay time over ``reps``; the cursors move to the next phase between phases."""
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: compiles and records the direct launches
+    def one_each() -> None:
         for s in slot_sets:
             step(s)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+
+    warm_up(one_each)
     medians = []
-    for phase in range(L):
+    for _ in range(L):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             for s in slot_sets:
                 step(s)
-        g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / len(slot_sets))
-        medians.append(statistics.median(times))
+        medians.append(statistics.median(replay_us([g], len(slot_sets), reps)))
         pool.advance(ids)  # every slot to the next phase (the last phase's decode flushed: back to 0)
         torch.cuda.synchronize()
     return medians

@@ -202,13 +202,13 @@ def replayssm_decode_kernel(
                     if not late_count:
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
                 if late_count:  # the row's loads are out: the count; the last reader stores (masked: docs/pitfalls.md)
-                    if not tiny_batch:
+                    if not tiny_batch and not early_qk:
                         a_in = a3[row, hv, :]
                         b_in = b2[row, hv]
                     counted = hl.atomic_add(write_pos, [s64], 65536)  # named == 1 and the slot in range here
                     hl.store(write_pos, [s64], torch.where((cur >= ring_length - 1) | (forced != 0), 0, cur + 1),
                              extra_mask=((counted >> 16) & 65535) >= advance_cursors - 1)
-                    if not fused_conv:
+                    if not fused_conv and not early_qk:
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
                 if not tiny_batch and not late_count and not early_qk:
                     a_in = a3[row, hv, :]
