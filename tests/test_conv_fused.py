@@ -119,12 +119,13 @@ def plan_of(pool: ReplaySSMStatePool, batch: int, advance: bool):  # noqa: ANN20
 
 def fused_and_two_launch_steps(H: int, HV: int, state: torch.dtype, slots: list[int], *, steps: int = L + 1,
                                layout: str = "predecayed", plan_edit: dict | None = None,
-                               A_log_shift: float = 0.0, oracle: bool = False,
+                               fused_edit: dict | None = None, A_log_shift: float = 0.0, oracle: bool = False,
                                exact: bool = True) -> list[ReplaySSMStatePool]:
     """``steps`` model steps of 2 layers (the fused advance on the last) on three twin pools: the fused launch and the
     two launches in the interpreter, the PyTorch path; asserts at every layer that the first two agree bit for bit
     (``exact=False``: windows, cursors and the k and g rings bit for bit, the rest within 1e-2) and the third within
-    bf16 steps, outputs NaN-poisoned first. With ``oracle``, the live rows' outputs are also held to the PyTorch decode
+    bf16 steps, outputs NaN-poisoned first. ``plan_edit`` edits both launches' plans, ``fused_edit`` the fused
+    one's alone. With ``oracle``, the live rows' outputs are also held to the PyTorch decode
     fed by a float64 conv1d of the windows' history. Returns the pools."""
     pools = [make_pool(H, HV, state, layout) for _ in range(3)]
     D = pools[0].conv_channels
@@ -147,6 +148,8 @@ def fused_and_two_launch_steps(H: int, HV: int, state: torch.dtype, slots: list[
             if plan_edit:
                 plan = dataclasses.replace(plan, **plan_edit)
             two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+            if fused_edit:
+                plan = dataclasses.replace(plan, **fused_edit)
             outs = []
             for pool, backend, p in ((pools[0], "interpreter", plan), (pools[1], "interpreter", two),
                                      (pools[2], "torch", None)):
@@ -199,7 +202,8 @@ def test_fused_mode2_in_the_interpreter(interpreter: None) -> None:
     """Mode 2 (two value heads read each q/k head's windows), fp32 checkpoint, the tiny-batch path, a padding row,
     over a whole ring cycle and a flush; against the float64 conv1d feeding the PyTorch decode too."""
     pools = fused_and_two_launch_steps(1, 2, torch.float32, [3, -1, 0, 2], oracle=True)
-    assert plan_of(pools[0], 4, False).fused_conv == 2 and plan_of(pools[0], 4, False).tiny_batch
+    plan = plan_of(pools[0], 4, False)
+    assert plan.fused_conv == 2 and plan.tiny_batch and not plan.early_qk, plan
     assert pools[0].conv_counters.shape == (S + 1,)
     for p in pools[:2]:
         p.check()
@@ -211,6 +215,20 @@ def test_fused_mode1_in_the_interpreter(interpreter: None) -> None:
     pools = fused_and_two_launch_steps(2, 2, torch.bfloat16, [2, -1, 3, -1, 0, -1, -1, -1])
     plan = plan_of(pools[0], 8, False)
     assert plan.fused_conv == 1 and not plan.tiny_batch and plan.tensor_core_chunks
+    for p in pools[:2]:
+        p.check()
+
+
+@pytest.mark.parametrize("H, HV, state, slots", [(1, 2, torch.float32, [3, -1, 0, 2]),
+                                                 (2, 2, torch.bfloat16, [2, -1, 3, -1, 0, -1, -1, -1])],
+                         ids=["mode2-tiny", "mode1"])
+def test_fused_early_loads_in_the_interpreter(interpreter: None, H: int, HV: int, state: torch.dtype,
+                                              slots: list[int]) -> None:
+    """``early_qk`` with the fused conv (a plan edit: the windows, inputs and taps loaded and the conv computed
+    before the slot's verdict, the stores after it; in mode 2 each program counts itself right after its conv and
+    the last reader writes the q/k windows from its registers): bit for bit the two launches, in mode 2 (the
+    tiny-batch path) and mode 1, over a ring cycle and a flush."""
+    pools = fused_and_two_launch_steps(H, HV, state, slots, fused_edit={"early_qk": True})
     for p in pools[:2]:
         p.check()
 
@@ -230,9 +248,11 @@ def test_fused_sglang_layout_in_the_interpreter(interpreter: None) -> None:
     assert plan_of(pools[0], 3, False).fused_conv == 1
 
 
-def test_fused_bad_rows_in_the_interpreter(interpreter: None) -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["after-verdict", "early-loads"])
+def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool) -> None:
     """Rows naming a slot out of range, free or twice: zero outputs, no byte of any slot written (windows, states,
-    rings, cursors), recorded once as decode; the counters zero again; the good rows as the two launches give them."""
+    rings, cursors), recorded once as decode; the counters zero again; the good rows as the two launches give them.
+    With ``early_qk`` the bad rows' windows are read before their verdict and still never written."""
     slots = [0, S, 4, 1, 3, 3, 2, -1]  # rows 1-5 bad
     pools = [make_pool(1, 2, torch.float32) for _ in range(2)]
     clean = [-1 if r in (1, 2, 3, 4, 5) else s for r, s in enumerate(slots)]
@@ -244,7 +264,8 @@ def test_fused_bad_rows_in_the_interpreter(interpreter: None) -> None:
         out = torch.full((8, 1, 2, V), float("nan"), dtype=torch.bfloat16)
         with use_cpu_backend("interpreter"):
             pool.decode(1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, torch.tensor(ids, dtype=torch.int32),
-                        conv_weight=weight, conv_bias=bias, advance=True, out=out, plan=plan_of(pool, 8, True))
+                        conv_weight=weight, conv_bias=bias, advance=True, out=out,
+                        plan=dataclasses.replace(plan_of(pool, 8, True), early_qk=early))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and (outs[0][1:6] == 0).all()
     for name in STATE_TENSORS:
@@ -361,11 +382,13 @@ def gpu_pools(H: int, HV: int, B: int, state: torch.dtype) -> tuple[list[ReplayS
 @pytest.mark.parametrize("H,HV,B,state", [(32, 32, 128, torch.bfloat16), (8, 8, 8, torch.bfloat16),
                                           (2, 8, 64, torch.float32), (4, 4, 1, torch.bfloat16),
                                           (32, 32, 8, torch.float32)])
-def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype) -> None:
+@pytest.mark.parametrize("early", [False, True], ids=["after-verdict", "early-loads"])
+def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype, early: bool) -> None:
     """On CUDA, a full ring cycle and a flush of two layers (the fused advance on the last): the fused launch (the
-    plan with ``fuse_conv=True``) and the two launches (that plan with fused_conv=0) on twin pools agree: windows and
-    cursors bit for bit, outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are
-    zero and recorded once."""
+    plan with ``fuse_conv=True``, the conv after the slot's verdict or, with ``early_qk``, its loads and math before
+    it) and the two launches (that plan with fused_conv=0) on twin pools agree: windows and cursors bit for bit,
+    outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are zero and
+    recorded once."""
     pools, slots = gpu_pools(H, HV, B, state)
     D = pools[0].conv_channels
     gen = torch.Generator().manual_seed(3)
@@ -379,6 +402,7 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
             plan = plan_decode(problem(B, H, HV, state=state, advance=layer == 1), fuse_conv=True)
             assert plan.fused_conv
             two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+            plan = dataclasses.replace(plan, early_qk=early)
             outs = [p.decode(layer, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots, conv_weight=weight,
                              conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], plan),
                                                                                        (pools[1], two))]

@@ -294,7 +294,7 @@ def test_early_qk_where_the_h200_measured_it_faster() -> None:
     loads): the pool's pre-decayed calls with a bf16 checkpoint on the batch path's one-warp programs up to
     ``EARLY_QK_UPTO`` (row, value head) pairs; not with the fused advance, on the tiny-batch path, with an fp32
     checkpoint, the sglang layout, the op's per-row cursors, a lower bound, a fused conv, or above that size
-    (docs/tuning.md, "Slot checks")."""
+    (docs/tuning.md, "Slot checks"). A plan with a fused conv may take it by an edit (docs/conv.md)."""
     def early(batch: int, heads: int, **kwargs: object) -> DecodePlan:
         return _plan(batch, heads, layout="predecayed", cursor_table=True, **kwargs)
 
@@ -310,7 +310,9 @@ def test_early_qk_where_the_h200_measured_it_faster() -> None:
     assert not _plan(8, 32, state=BF16, layout="predecayed").early_qk  # the op's cursors, one per row
     assert not early(8, 32, state=BF16, lower_bound=-5.0).early_qk
     conv = dataclasses.replace(_problem(32, 32, state=BF16, layout="predecayed", cursor_table=True), conv_kernel_size=4)
-    assert plan_decode(conv, fuse_conv=True).fused_conv and not plan_decode(conv, fuse_conv=True).early_qk
+    fused = plan_decode(conv, fuse_conv=True)
+    assert fused.fused_conv and not fused.early_qk
+    dataclasses.replace(fused, early_qk=True).check(conv)  # the kernel's early conv: a plan edit
     assert plan_decode(conv, fuse_conv=False).early_qk
     assert plan_decode(_problem(8, 8, state=BF16, layout="predecayed", cursor_table=True,
                                 device=CPU)).early_qk  # the interpreter's bf16 plan: its tests run it
@@ -324,7 +326,6 @@ def test_str_names_every_field() -> None:
 
 
 BASE = _problem(8, 16, layout="predecayed", cursor_table=True, advance=True)
-CONV = dataclasses.replace(_problem(32, 32, state=BF16, layout="predecayed", cursor_table=True), conv_kernel_size=4)
 # case (named by the field the error must name) -> (the problem whose plan is taken, edits of it, the problem it meets)
 MISMATCHES = {
     "cursor_table": (BASE, dict(cursor_table=False), BASE),
@@ -342,7 +343,6 @@ MISMATCHES = {
                                    dataclasses.replace(BASE, advance=False)),
     "late_count-four-warps": (dataclasses.replace(BASE, state_dtype=BF16), dict(num_warps=4),
                               dataclasses.replace(BASE, state_dtype=BF16)),
-    "early_qk-fused-conv": (CONV, dict(early_qk=True), CONV),
     "early_qk-evict-first": (BASE, dict(early_qk=True, evict_state_first=True), BASE),
 }
 

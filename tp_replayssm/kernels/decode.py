@@ -21,7 +21,7 @@ import helion.language as hl
 
 from .decode_chunks import chunk_step, empty_ring, mma_chunk, rebase_chunk
 from .decode_compile import _SETTINGS, CURSOR_READER, decode_kernel_for
-from .decode_conv import conv_prologue, conv_qk_windows
+from .decode_conv import conv_prologue, conv_qk, conv_qk_store, conv_qk_windows, conv_stores, conv_taps
 from .decode_math import (flush_keys, g_entry, gate_math, k_entry, qk_math, ring_rows, row_dots, sglang_weights,
                           split3_columns, vector_tile)
 
@@ -78,7 +78,7 @@ def replayssm_decode_kernel(
     cw_d: hl.constexpr = 0,  # taps' element strides: channel, tap
     cw_i: hl.constexpr = 0,
     late_count: hl.constexpr = False,  # the fused advance's reader count after the row's loads (plan.late_count_rule)
-    early_qk: hl.constexpr = False,  # q, k loaded beside the slot, normalized as the cursor loads (plan.early_qk_rule)
+    early_qk: hl.constexpr = False,  # q, k (fused_conv: the conv) loaded, computed before the verdict (plan)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -142,7 +142,19 @@ def replayssm_decode_kernel(
             else:
                 cur = write_pos[row]
             if early_qk:  # outside the verdict's branch, so the compiler cannot sink q/k's loads into it
-                q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
+                if fused_conv:  # the conv's windows, inputs and taps load beside the cursor; its math before the
+                    # verdict too (the stores wait for it: conv_stores below)
+                    ci = hl.arange(conv_width)  # the taps
+                    in_window = ci < conv_size - 1
+                    last_tap = (ci == conv_size - 1)[None, :]
+                    kk = hl.arange(q3.size(2))
+                    cv_row = cv_base + s64 * cv_s  # the slot's window rows start here (in range: s64 is clamped)
+                    q_u, k_u, v_u, q_post, k_post, v_post = conv_taps(
+                        conv_rows, conv_w, conv_b, q3, k3, v3, row, h, hv, tv, H, V, kk, ci, in_window, last_tap,
+                        cv_row, cv_d, cw_d, cw_i, conv_size, conv_has_bias, on_gpu)
+                    q, k = conv_qk(q3, k3, q_post, k_post, scale, use_l2norm)
+                else:
+                    q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
             cur_ok = in_range & (cur >= 0) & (cur < ring_length)
             ok = cur_ok
             if cursors_by_slot:  # how many rows of the call name this slot
@@ -186,7 +198,16 @@ def replayssm_decode_kernel(
                 k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
                                  extra_mask=ring_mask[:, None])
             if ok:
-                if fused_conv:  # the conv of this program's channels from their windows (docs/conv.md, the fused conv)
+                if fused_conv and early_qk:  # the conv's stores (its loads and math above)
+                    shifted, to_col = conv_stores(conv_rows, q3, out3, row, h, hv, tv, H, V, kk, ci, cv_row, cv_d,
+                                                  conv_size, fused_conv, q_u, k_u, v_u, v_post)
+                    if fused_conv == 2:  # counted right after the conv (conv_stores' barrier: this program's window
+                        # reads are done): the last of the head's readers writes the q/k windows from its registers
+                        seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
+                        if seen == conv_readers - 1:
+                            conv_qk_store(conv_rows, q3, h, H, kk, cv_row, cv_d, shifted, to_col, q_u, k_u)
+                            conv_counters[s64 * H + h] = seen * 0
+                elif fused_conv:  # the conv of this program's channels from their windows (docs/conv.md: fused conv)
                     ci = hl.arange(conv_width)  # the taps
                     in_window = ci < conv_size - 1
                     last_tap = (ci == conv_size - 1)[None, :]
@@ -373,8 +394,9 @@ def replayssm_decode_kernel(
                             empty_ring(d_rows, dr_base, dr_l, j, emptied_to, frows, flive, vector_tiles, ring_block,
                                        value_chunk)
                 if fused_conv:  # the q/k window writes that wait for the loops (docs/conv.md, the fused conv)
-                    if fused_conv == 2:  # the q/k windows, by the last of the head's programs to get here: all the
-                        # others have read them (a CTA barrier, then an acq_rel count of the programs; zero again after)
+                    if fused_conv == 2 and not early_qk:  # the q/k windows, by the last of the head's programs to get
+                        # here: all the others have read them (a CTA barrier, then an acq_rel count of the programs;
+                        # zero again after). (The early form counts right after its conv, above.)
                         hl.inline_triton("tl.debug_barrier()", [], None)
                         seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
                         if seen == conv_readers - 1:

@@ -122,8 +122,9 @@ class DecodePlan:
     conv_readers: int = 0  # fused_conv == 2: the programs of one (row, q/k head), HV/H * ceil(V / value_tile)
     late_count: bool = False  # the fused advance reads the cursor with a plain load and takes its reader count once
     # the row's loads are out (else the read is the count); see late_count_rule
-    early_qk: bool = False  # the plain decode loads q and k beside the slot and normalizes them while the cursor
-    # loads, not after the slot's verdict; see early_qk_rule
+    early_qk: bool = False  # the decode loads q and k beside the slot and normalizes them while the cursor loads,
+    # not after the slot's verdict (with fused_conv: the conv's windows, inputs and taps, and its math); see
+    # early_qk_rule
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -171,9 +172,9 @@ class DecodePlan:
         if self.late_count and self.on_gpu and self.num_warps != 1:  # docs/kernel_design.md, the fused advance
             raise ValueError(f"DecodePlan: `late_count` needs one-warp programs on a GPU (a warp's cursor load must "
                              f"return before its count); got num_warps={self.num_warps}")
-        if self.early_qk and (self.fused_conv or self.evict_state_first):  # (the conv reads q/k itself)
-            raise ValueError("DecodePlan: `early_qk` needs the post-conv q and k (no fused_conv) and no "
-                             f"evict_state_first (whose load positions it would move); got {self}")
+        if self.early_qk and self.evict_state_first:
+            raise ValueError("DecodePlan: `early_qk` needs no evict_state_first (whose load positions it would "
+                             f"move); got {self}")
         if self.vector_tiles and self.tensor_core_chunks:
             raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
         if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
@@ -341,11 +342,12 @@ def late_count_rule(advance: bool, vector_tiles: int, tensor_core_chunks: bool, 
 
 def early_qk_rule(problem: DecodeProblem, tiny_batch: bool, fused_conv: int, num_warps: int,
                   evict_state_first: bool) -> bool:
-    """Whether the plain decode loads q and k beside the slot and normalizes them while the cursor loads
+    """Whether the decode loads q and k beside the slot and normalizes them while the cursor loads
     (``DecodePlan.early_qk``): the pool's calls (cursor table) on the pre-decayed layout with a bf16 checkpoint and
     no lower bound, on the batch path's one-warp programs up to :data:`EARLY_QK_UPTO` (row, value head) pairs,
     without the fused advance or conv: the programs the H200 measured faster (docs/tuning.md, "Slot checks"). The
-    interpreter's programs (4 warps) follow the same rule."""
+    interpreter's programs (4 warps) follow the same rule. With a fused conv the kernel has the form too (the conv's
+    loads and math before the verdict, docs/conv.md), a plan edit until its GPU tests have run."""
     return (not problem.advance and not tiny_batch and not fused_conv and not evict_state_first
             and problem.cursor_table and problem.ring_layout == "predecayed" and not problem.use_lower_bound
             and problem.state_dtype == torch.bfloat16 and (num_warps == 1 or problem.device_type != "cuda")
