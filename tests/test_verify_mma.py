@@ -162,6 +162,58 @@ def test_mma_verify_rebase() -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
+@on_cpu_machine
+def test_mma_verify_batched_reductions() -> None:
+    """``batched_reductions`` (the prologue's sums over K as reductions over tuples): a chain of 3 drafts on an fp32
+    checkpoint with a row that folds, padding, a freed and a repeated slot; then a tree of 5 drafts on a bf16
+    checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
+    pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=6, ring_length=6, cache_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(21)
+    model = make_model(pool, gen)
+    pool.alloc(4)
+    pool.free([3])
+    _warm(pool, model, [[0, 1, 2], [0, -1, 2], [0, -1, -1], [0, -1, -1]], gen)
+    _case(pool, model, [0, -1, 2, 3, 1, 1], 3, gen, None, 1e-5, 1e-5, batched_reductions=True)
+    assert pool.slot_errors[2] == 3 and pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
+    pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=3, ring_length=8, cache_dtype=torch.bfloat16,
+                 state_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(22)
+    model = make_model(pool, gen)
+    pool.alloc(2)
+    _warm(pool, model, [[0, 1], [0, 1], [0, -1], [0, -1]], gen)
+    _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, batched_reductions=True)
+
+
+def test_batched_reductions_is_a_choice_of_the_tensor_core_form() -> None:
+    """``VerifyPlan.batched_reductions``: off in the library's plans, a constexpr of the tensor-core kernel when set,
+    refused (naming it) on a CUDA-core plan."""
+    base = dict(batch=8, drafts=4, num_q_heads=2, num_v_heads=2, key_dim=128, value_dim=128, ring_length=16,
+                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
+    problem = verify_plan.VerifyProblem(**base)
+    plan = verify_plan.plan_verify(problem)
+    assert plan.tensor_cores and not plan.batched_reductions
+    batched = dataclasses.replace(plan, batched_reductions=True)
+    batched.check(problem)
+    assert batched.constexprs()["batched_reductions"] is True and "batched_reductions=True" in str(batched)
+    cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
+    with pytest.raises(ValueError, match="`batched_reductions`"):
+        dataclasses.replace(cuda_cores, batched_reductions=True).check(problem)
+
+
+@on_cpu_machine
+def test_mma_verify_batched_reductions_rebase() -> None:
+    """``batched_reductions`` with heads that rebase (the drafts' minima over K, as one reduction, pass the bound)."""
+    pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=3, ring_length=6, cache_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(24)
+    model = make_model(pool, gen, lower_bound=-18.0)
+    pool.alloc(2)
+    _warm(pool, model, [[0, 1], [0, 1], [0, -1]], gen, a_shift=4.0)
+    before = pool.g_cache[0, 0, :, 2].clone()
+    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, batched_reductions=True)
+    assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
+
+
 @pytest.mark.parametrize("T", [1, 2, 5, 15])
 def test_substitution_folded_into_operands_matches_the_chunk_form(T: int) -> None:
     """``[Delta; Out] = A^T S^T + E^T V`` with the operands of ``verify_math.combination`` / ``output_columns`` /
@@ -231,26 +283,27 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=[True, False], ids=["tensor-cores", "cuda-cores"])
-def verify_form(request: pytest.FixtureRequest) -> bool:
-    """The verify form a test's calls take: ``tensor_cores`` of :func:`verify_plan.plan_verify`."""
+@pytest.fixture(params=["tensor-cores", "tensor-cores-batched", "cuda-cores"])
+def verify_form(request: pytest.FixtureRequest) -> str:
+    """The verify form a test's calls take: the tensor-core form (the library's plan, or with
+    ``batched_reductions``) or the CUDA-core form."""
     return request.param
 
 
-def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
-               tensor_cores: bool) -> verify_plan.VerifyPlan:
+def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, form: str) -> verify_plan.VerifyPlan:
     lh = pool.local_heads
     problem = verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
                                         pool.ring_length, pool.state_dtype, pool.cache_dtype, pool.device.type,
                                         torch.cuda.get_device_properties(pool.device).multi_processor_count,
                                         pool.ring_layout, tree, True, False, False)
-    return verify_plan.plan_verify(problem, tensor_cores=tensor_cores)
+    plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
+    return dataclasses.replace(plan, batched_reductions=form == "tensor-cores-batched")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_both_verify_forms_match_reference(verify_form: bool, state: torch.dtype, tree: bool) -> None:
+def test_gpu_both_verify_forms_match_reference(verify_form: str, state: torch.dtype, tree: bool) -> None:
     """Both verify forms at K = V = 128, L = 16, T = 4, HV = 16 over B = 24 rows (padding rows among them), over
     steps that cross every fold phase, against the reference on CPU copies: outputs, every pool tensor after the
     commit, read_state."""
@@ -268,7 +321,7 @@ def test_gpu_both_verify_forms_match_reference(verify_form: bool, state: torch.d
     parents = torch.tensor([[-1, 0, 0, 1]] * batch, dtype=torch.int32, device="cuda") if tree else None
     live = [r for r, s in enumerate(slots) if s >= 0]
     plan = _form_plan(pool, batch, T, tree, verify_form)
-    assert plan.tensor_cores == verify_form, plan
+    assert plan.tensor_cores == (verify_form != "cuda-cores"), plan
     for step in range(6):
         ref = _to(pool, "cpu")
         drafts = random_drafts(pool, batch, T, gen, dtype=torch.bfloat16)

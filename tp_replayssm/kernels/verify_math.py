@@ -15,8 +15,35 @@ import torch
 
 import helion.language as hl
 
-__all__ = ["ancestry", "bf16_parts", "column_matrix", "combination", "exact_products", "min_log_decay",
-           "output_columns", "pair_terms", "part_products", "path_sums", "solve_chunk", "stack_rows", "value_matrix"]
+from .decode_math import qk_math
+
+__all__ = ["add_tuple", "ancestry", "bf16_parts", "column_matrix", "combination", "draft_qk", "exact_products",
+           "min_log_decay", "min_tuple", "output_columns", "pair_terms", "part_products", "path_sums", "solve_chunk",
+           "stack_rows", "value_matrix"]
+
+
+def add_tuple(a, b):  # noqa: ANN001, ANN201 - traced by Helion
+    """``hl.reduce``'s combine function of a sum over a tuple of tensors: one reduction (one exchange through shared
+    memory behind one barrier across the warps) for all of them, where separate sums take one each."""
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def min_tuple(a, b):  # noqa: ANN001, ANN201 - traced by Helion
+    """:func:`add_tuple` for a minimum."""
+    return tuple(torch.minimum(x, y) for x, y in zip(a, b))
+
+
+def draft_qk(q_in, k_in, scale: float, use_l2norm: bool, T: int, batched: bool):  # noqa: ANN001, ANN201
+    """``(qs, ks)``: each draft's query (scaled) and key, fp32 ``[K]``, l2-normalized when asked, from the loaded
+    inputs ``q_in[t]``, ``k_in[t]``; with ``batched`` the ``2T`` norms' sums are one reduction over a tuple."""
+    if not (batched and use_l2norm):  # draft by draft
+        qk = [qk_math(q_in[t].to(torch.float32), k_in[t].to(torch.float32), scale, use_l2norm) for t in range(T)]
+        return [qk[t][0] for t in range(T)], [qk[t][1] for t in range(T)]
+    qf = [q_in[t].to(torch.float32) for t in range(T)]
+    kf = [k_in[t].to(torch.float32) for t in range(T)]
+    sq = hl.reduce(add_tuple, tuple([x * x for x in qf] + [x * x for x in kf]), dim=0)
+    return ([qf[t] * torch.rsqrt(sq[t] + 1e-6) * scale for t in range(T)],
+            [kf[t] * torch.rsqrt(sq[T + t] + 1e-6) for t in range(T)])
 
 
 def ancestry(parents, T: int):  # noqa: ANN001, ANN201 - traced by Helion
@@ -45,28 +72,56 @@ def path_sums(gates, anc, T: int):  # noqa: ANN001, ANN201 - traced by Helion
     return gam
 
 
-def min_log_decay(tot, gam, T: int):  # noqa: ANN001, ANN201 - traced by Helion
-    """The smallest cumulative gate ``min_{t, k} (tot + Gam_t)[k]`` of the drafts (the pre-decayed rebase test)."""
+def min_log_decay(tot, gam, T: int, batched: bool = False):  # noqa: ANN001, ANN201 - traced by Helion
+    """The smallest cumulative gate ``min_{t, k} (tot + Gam_t)[k]`` of the drafts (the pre-decayed rebase test); with
+    ``batched`` the ``T`` minima over ``K`` are one reduction over a tuple."""
+    if batched:
+        lows = hl.reduce(min_tuple, tuple(tot + gam[t] for t in range(T)), dim=0)
+        low = lows[0]
+        for t in range(1, T):
+            low = torch.minimum(low, lows[t])
+        return low
     low = torch.amin(tot + gam[0], dim=0)
     for t in range(1, T):
         low = torch.minimum(low, torch.amin(tot + gam[t], dim=0))
     return low
 
 
-def pair_terms(qs, ks, gam, anc, betas, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+def pair_terms(qs, ks, gam, anc, betas, T: int, batched: bool = False):  # noqa: ANN001, ANN201 - traced by Helion
     """The drafts' couplings through their ancestors' deltas (0-d fp32 tensors):
     ``nk[t][u] = beta_t * anc[t][u] * k_u . (exp(Gam_t - Gam_u) k_t)`` (u < t) and ``mq[t][u] = anc[t][u] * q_t .
     (exp(Gam_t - Gam_u) k_u)`` (u < t), ``mq[t][t] = q_t . k_t``. The exponent of a non-ancestor is masked to 0 before
-    the exp (it may be positive), so every term is finite."""
+    the exp (it may be positive), so every term is finite. With ``batched`` the ``T^2`` dot products over ``K`` are
+    one reduction over a tuple."""
     nk, mq = [], []
+    if not batched:  # each sum where its product is made
+        for t in range(T):
+            nrow, qrow = [], []
+            for u in range(t):
+                decay = torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
+                ku_dec = ks[u] * decay
+                nrow.append(betas[t] * anc[t][u] * torch.sum(ku_dec * ks[t], dim=0))
+                qrow.append(anc[t][u] * torch.sum(ku_dec * qs[t], dim=0))
+            qrow.append(torch.sum(ks[t] * qs[t], dim=0))
+            nk.append(nrow)
+            mq.append(qrow)
+        return nk, mq
+    prods = []  # per t: (k_u . k_t, k_u . q_t) for each u < t, then q_t . k_t
+    for t in range(T):
+        for u in range(t):
+            ku_dec = ks[u] * torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
+            prods += [ku_dec * ks[t], ku_dec * qs[t]]
+        prods.append(ks[t] * qs[t])
+    dots = hl.reduce(add_tuple, tuple(prods), dim=0)
+    i = 0
     for t in range(T):
         nrow, qrow = [], []
         for u in range(t):
-            decay = torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
-            ku_dec = ks[u] * decay
-            nrow.append(betas[t] * anc[t][u] * torch.sum(ku_dec * ks[t], dim=0))
-            qrow.append(anc[t][u] * torch.sum(ku_dec * qs[t], dim=0))
-        qrow.append(torch.sum(ks[t] * qs[t], dim=0))
+            nrow.append(betas[t] * anc[t][u] * dots[i])
+            qrow.append(anc[t][u] * dots[i + 1])
+            i += 2
+        qrow.append(dots[i])
+        i += 1
         nk.append(nrow)
         mq.append(qrow)
     return nk, mq

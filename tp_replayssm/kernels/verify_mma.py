@@ -39,8 +39,8 @@ import torch
 import helion
 import helion.language as hl
 
-from .decode_math import gate_math, qk_math
-from .verify_math import (ancestry, bf16_parts, column_matrix, combination, exact_products, min_log_decay,
+from .decode_math import gate_math
+from .verify_math import (ancestry, bf16_parts, column_matrix, combination, draft_qk, exact_products, min_log_decay,
                           output_columns, pair_terms, part_products, path_sums, stack_rows, value_matrix)
 
 __all__ = ["replayssm_verify_mma_kernel", "verify_mma_kernel_for"]
@@ -87,6 +87,7 @@ def replayssm_verify_mma_kernel(
     fold_chunk: hl.constexpr,  # value rows per step of the fold's pass (verify_plan.MMA_FOLD_CHUNK)
     named_block: hl.constexpr = 16,
     on_gpu: hl.constexpr = True,
+    batched_reductions: hl.constexpr = False,  # the prologue's sums over K as reductions over tuples (verify_math)
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -147,10 +148,7 @@ def replayssm_verify_mma_kernel(
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             # the drafts: q, k [K] (scaled, normalized), log-gates, beta, parents
-            qk = [qk_math(q_in[t].to(torch.float32), k_in[t].to(torch.float32), scale, use_l2norm)
-                  for t in hl.static_range(T)]
-            qs = [qk[t][0] for t in hl.static_range(T)]
-            ks = [qk[t][1] for t in hl.static_range(T)]
+            qs, ks = draft_qk(q_in, k_in, scale, use_l2norm, T, batched_reductions)
             gates = [gate_math(a_in[t].to(torch.float32) + dt_bias2[hv, :], A_log[hv], lower_bound, use_lower_bound)
                      for t in hl.static_range(T)]
             betas = [torch.sigmoid(b_in[t].to(torch.float32)) for t in hl.static_range(T)]
@@ -163,7 +161,7 @@ def replayssm_verify_mma_kernel(
             tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
             drop = fold  # the committed ring goes to the checkpoint (a fold or a rebase)
             if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
-                low = min_log_decay(tot, gam, T)
+                low = min_log_decay(tot, gam, T, batched_reductions)
                 rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
                 if on_gpu:
                     rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
@@ -199,7 +197,7 @@ def replayssm_verify_mma_kernel(
             row_n = vc[:, None]
             aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
             aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
-            nk, mq = pair_terms(qs, ks, gam, anc, betas, T)
+            nk, mq = pair_terms(qs, ks, gam, anc, betas, T, batched_reductions)
             alpha, gamma = combination(betas, nk, mq, T)
             cols_d, cols_o = output_columns(aks, aqs, alpha, gamma, T)
             at_parts = bf16_parts(column_matrix(cols_d, cols_o, row_n, T), operand_parts)
