@@ -162,31 +162,36 @@ def test_mma_verify_rebase() -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
+CHOICES = {"batched": dict(batched_reductions=True), "no-prefetch": dict(chunk_prefetch=False),
+           "batched-no-prefetch": dict(batched_reductions=True, chunk_prefetch=False)}
+
+
 @on_cpu_machine
-def test_mma_verify_batched_reductions() -> None:
-    """``batched_reductions`` (the prologue's sums over K as reductions over tuples): a chain of 3 drafts on an fp32
-    checkpoint with a row that folds, padding, a freed and a repeated slot; then a tree of 5 drafts on a bf16
-    checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
-    pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=6, ring_length=6, cache_dtype=torch.bfloat16)
-    gen = torch.Generator().manual_seed(21)
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_mma_verify_plan_choices(choice: str) -> None:
+    """The tensor-core form's plan choices (``batched_reductions``: the prologue's sums over K as reductions over
+    tuples; ``chunk_prefetch=False``: each chunk's loads at its start): a chain of 3 drafts on an fp32 checkpoint in
+    two 16-row chunks per program with a row that folds, padding and a repeated slot; then a tree of 5 drafts on a
+    bf16 checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
+    pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(23)
     model = make_model(pool, gen)
     pool.alloc(4)
-    pool.free([3])
     _warm(pool, model, [[0, 1, 2], [0, -1, 2], [0, -1, -1], [0, -1, -1]], gen)
-    _case(pool, model, [0, -1, 2, 3, 1, 1], 3, gen, None, 1e-5, 1e-5, batched_reductions=True)
-    assert pool.slot_errors[2] == 3 and pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
+    _case(pool, model, [0, 2, -1, 1, 1], 3, gen, None, 1e-5, 1e-5, value_tile=32, **CHOICES[choice])
+    assert pool.slot_errors[2] == 2 and pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
     pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=3, ring_length=8, cache_dtype=torch.bfloat16,
                  state_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(22)
     model = make_model(pool, gen)
     pool.alloc(2)
     _warm(pool, model, [[0, 1], [0, 1], [0, -1], [0, -1]], gen)
-    _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, batched_reductions=True)
+    _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, **CHOICES[choice])
 
 
-def test_batched_reductions_is_a_choice_of_the_tensor_core_form() -> None:
-    """``VerifyPlan.batched_reductions``: off in the library's plans, a constexpr of the tensor-core kernel when set,
-    refused (naming it) on a CUDA-core plan."""
+def test_plan_choices_belong_to_the_tensor_core_form() -> None:
+    """``VerifyPlan.batched_reductions`` and ``chunk_prefetch``: the library's values in its plans, constexprs of the
+    tensor-core kernel when changed, refused (naming the field) on a CUDA-core plan."""
     base = dict(batch=8, drafts=4, num_q_heads=2, num_v_heads=2, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
@@ -196,9 +201,11 @@ def test_batched_reductions_is_a_choice_of_the_tensor_core_form() -> None:
     batched = dataclasses.replace(plan, batched_reductions=True)
     batched.check(problem)
     assert batched.constexprs()["batched_reductions"] is True and "batched_reductions=True" in str(batched)
+    assert plan.chunk_prefetch and dataclasses.replace(plan, chunk_prefetch=False).constexprs()["chunk_prefetch"] is False
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
-    with pytest.raises(ValueError, match="`batched_reductions`"):
-        dataclasses.replace(cuda_cores, batched_reductions=True).check(problem)
+    for change in (dict(batched_reductions=True), dict(chunk_prefetch=False)):
+        with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
+            dataclasses.replace(cuda_cores, **change).check(problem)
 
 
 @on_cpu_machine
@@ -283,10 +290,10 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["tensor-cores", "tensor-cores-batched", "cuda-cores"])
+@pytest.fixture(params=["tensor-cores", "tensor-cores-batched", "tensor-cores-batched-no-prefetch", "cuda-cores"])
 def verify_form(request: pytest.FixtureRequest) -> str:
-    """The verify form a test's calls take: the tensor-core form (the library's plan, or with
-    ``batched_reductions``) or the CUDA-core form."""
+    """The verify form a test's calls take: the tensor-core form (the library's plan, with ``batched_reductions``,
+    or with it and ``chunk_prefetch=False``) or the CUDA-core form."""
     return request.param
 
 
@@ -297,7 +304,7 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
                                         torch.cuda.get_device_properties(pool.device).multi_processor_count,
                                         pool.ring_layout, tree, True, False, False)
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
-    return dataclasses.replace(plan, batched_reductions=form == "tensor-cores-batched")
+    return dataclasses.replace(plan, batched_reductions="batched" in form, chunk_prefetch="no-prefetch" not in form)
 
 
 @pytest.mark.gpu

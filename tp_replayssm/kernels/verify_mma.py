@@ -88,6 +88,7 @@ def replayssm_verify_mma_kernel(
     named_block: hl.constexpr = 16,
     on_gpu: hl.constexpr = True,
     batched_reductions: hl.constexpr = False,  # the prologue's sums over K as reductions over tuples (verify_math)
+    chunk_prefetch: hl.constexpr = True,  # each chunk's loads issued during the previous chunk's math (registers)
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -140,11 +141,12 @@ def replayssm_verify_mma_kernel(
             valid = (j < cur) & (j < ring_length)
             st_base = s64 * st_s + hv * st_h
             dr_base = s64 * dr_s + hv * dr_h
-            # the first value chunk's loads go out now, so their latency overlaps the prologue below
             lead = tv.begin + hl.arange(value_chunk)
-            s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)], extra_mask=(lead < tv.end)[:, None])
-            d_next = hl.load(d_rows, [dr_base + j * dr_l, lead], extra_mask=valid[:, None] & (lead < tv.end)[None, :])
-            v_next = hl.load(v4, [row, vc, hv, lead], extra_mask=(vc < T)[:, None] & (lead < tv.end)[None, :])  # [N, Vc]
+            if chunk_prefetch:  # the first value chunk's loads go out now, so their latency overlaps the prologue
+                s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)], extra_mask=(lead < tv.end)[:, None])
+                d_next = hl.load(d_rows, [dr_base + j * dr_l, lead],
+                                 extra_mask=valid[:, None] & (lead < tv.end)[None, :])
+                v_next = hl.load(v4, [row, vc, hv, lead], extra_mask=(vc < T)[:, None] & (lead < tv.end)[None, :])
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             # the drafts: q, k [K] (scaled, normalized), log-gates, beta, parents
@@ -186,8 +188,9 @@ def replayssm_verify_mma_kernel(
                                  hl.zeros([ring_block, fold_chunk], d_rows.dtype),
                                  extra_mask=(j < emptied)[:, None] & flive[None, :])
                 hl.inline_triton("tl.debug_barrier()", [], None)  # S_c's stores before the chunks read it
-                s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
-                                 extra_mask=(lead < tv.end)[:, None])
+                if chunk_prefetch:
+                    s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
+                                     extra_mask=(lead < tv.end)[:, None])
                 tot = tot * 0.0
             ring_live = (j < torch.where(drop, 0, cur)) & (j < ring_length)  # the entries the products read
             # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
@@ -239,15 +242,21 @@ def replayssm_verify_mma_kernel(
             for chunk in hl.grid(tv.begin, tv.end, value_chunk):
                 rows = chunk + hl.arange(value_chunk)
                 live = rows < tv.end
-                s0 = s_next  # [Vc, K]
-                d_cur = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype)  # [Lb, Vc] bf16
-                v_cur = v_next  # [N, Vc]: the drafts' values of this chunk in rows u < T
-                after = rows + value_chunk  # the next chunk's loads in flight during this one's math
-                s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
-                                 extra_mask=(after < tv.end)[:, None])
-                d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
-                                 extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
-                v_next = hl.load(v4, [row, vc, hv, after], extra_mask=(vc < T)[:, None] & (after < tv.end)[None, :])
+                if chunk_prefetch:
+                    s0 = s_next  # [Vc, K]
+                    d_cur = torch.where(ring_live[:, None], d_next, 0.0).to(d_next.dtype)  # [Lb, Vc] bf16
+                    v_cur = v_next  # [N, Vc]: the drafts' values of this chunk in rows u < T
+                    after = rows + value_chunk  # the next chunk's loads in flight during this one's math
+                    s_next = hl.load(state_rows, [st_base + after * st_v, slice(None)],
+                                     extra_mask=(after < tv.end)[:, None])
+                    d_next = hl.load(d_rows, [dr_base + j * dr_l, after],
+                                     extra_mask=ring_live[:, None] & (after < tv.end)[None, :])
+                    v_next = hl.load(v4, [row, vc, hv, after],
+                                     extra_mask=(vc < T)[:, None] & (after < tv.end)[None, :])
+                else:  # this chunk's loads here: fewer registers (other programs on the SM hide their latency)
+                    s0 = hl.load(state_rows, [st_base + rows * st_v, slice(None)], extra_mask=live[:, None])
+                    d_cur = hl.load(d_rows, [dr_base + j * dr_l, rows], extra_mask=ring_live[:, None] & live[None, :])
+                    v_cur = hl.load(v4, [row, vc, hv, rows], extra_mask=(vc < T)[:, None] & live[None, :])
                 # [Delta; Out] = W^T D + A^T S0^T + E^T V as independent accumulator chains (one per operand
                 # part), summed at the end: each chain is a third of the tensor-core steps, so their latencies
                 # overlap

@@ -16,7 +16,8 @@ docs/spec.md):
   :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``; two bf16 parts per fp32 operand with a bf16
   checkpoint, three with fp32;
 - ``batched_reductions`` (the tensor-core prologue's sums over ``K`` as reductions over tuples: 75 fewer CTA barriers
-  per program at T = 4) is off in the library's plans until the H200 has timed it (docs/spec.md);
+  per program at T = 4) and ``chunk_prefetch=False`` (each chunk's loads at its start: 157 registers per thread
+  instead of 255) are plan edits until the H200 has timed them (docs/spec.md);
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
@@ -106,6 +107,8 @@ class VerifyPlan:
     use_lower_bound: bool
     batched_reductions: bool = False  # tensor cores: the prologue's per-draft sums over K (norms, couplings, the
     # rebase test's minima) as one reduction over a tuple each (one barrier across the warps, not one per sum)
+    chunk_prefetch: bool = True  # tensor cores: each chunk's loads issued during the previous chunk's math (False:
+    # at the chunk's start, ~100 fewer registers per thread at K = 128, so more programs per SM)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -134,7 +137,7 @@ class VerifyPlan:
                       named_block=self.named_block, on_gpu=self.on_gpu)
         if self.tensor_cores:
             return dict(common, columns=self.columns, operand_parts=self.operand_parts, fold_chunk=MMA_FOLD_CHUNK,
-                        batched_reductions=self.batched_reductions)
+                        batched_reductions=self.batched_reductions, chunk_prefetch=self.chunk_prefetch)
         return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
 
     @property
@@ -163,9 +166,11 @@ class VerifyPlan:
             if self.value_chunk < 16 or self.operand_parts not in (2, 3):
                 raise ValueError(f"VerifyPlan: the tensor-core form needs `value_chunk` >= 16 and `operand_parts` "
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
-        elif self.batched_reductions:
-            raise ValueError("VerifyPlan: `batched_reductions` is a choice of the tensor-core form; this plan is the "
-                             "CUDA-core form (tensor_cores=False)")
+        else:
+            for name, default in (("batched_reductions", False), ("chunk_prefetch", True)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"VerifyPlan: `{name}` is a choice of the tensor-core form; this plan is the "
+                                     "CUDA-core form (tensor_cores=False)")
 
 
 def problem_of(call: VerifyCall, dims: VerifyDims, ring_layout: str) -> VerifyProblem:
