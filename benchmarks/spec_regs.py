@@ -113,7 +113,9 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     if override:
         import dataclasses
 
-        fields = {k: int(v) for k, v in (kv.split("=") for kv in override.split(","))}
+        from plan_args import verify_override_arg
+
+        fields = verify_override_arg(override)  # VerifyPlan fields: ints, true/false
         if "value_tile" in fields:
             fields.setdefault("tile_readers", -(-V // fields["value_tile"]))
         plan = dataclasses.replace(plan, **fields)
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--drafts", type=int, default=4)
     ap.add_argument("--lower-bound", type=float, default=None)
     ap.add_argument("--commit", action="store_true", help="the commit kernels instead")
-    ap.add_argument("--override", default="", help="plan fields, e.g. 'value_tile=32,num_warps=8'")
+    ap.add_argument("--override", default="",
+                    help="VerifyPlan fields, e.g. 'value_tile=32,num_warps=8' or 'batched_reductions=true'")
     ap.add_argument("--kernel", default=None, help="a .py file whose kernel of the plan's form (same name) replaces the library's")
     ap.add_argument("--dump", default=os.environ.get("KERNEL_REGS_DUMP"))
     args = ap.parse_args(argv)

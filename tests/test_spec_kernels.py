@@ -304,3 +304,43 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
         if "tensor_cores=False" in proc.stdout:
             for regs in re.findall(r"(\d+) registers/thread", proc.stdout):
                 assert int(regs) <= 168, proc.stdout
+
+
+@pytest.mark.timeout(600)
+def test_verify_plan_choices_cut_barriers_and_registers_in_sm90_code(tmp_path: object) -> None:
+    """The tensor-core verify's plan choices at HV32 B32 bf16, T = 4, compiled for sm_90 on CPU (the H200's triton
+    3.6.0, benchmarks/spec_regs.py --dump): ``batched_reductions`` leaves at most a third of the library's CTA
+    barriers before the chunk loop (its sums over K share their exchanges), and with ``chunk_prefetch=False`` too the
+    programs fit in 168 registers (3 per SM) without spills; the chunk loop keeps its barrier count."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200", "")
+    if not Path(h200, "triton").is_dir():
+        pytest.skip("the H200's triton 3.6.0 is not set up (./dev.sh sets TP_REPLAYSSM_TRITON_H200)")
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    import sass_loops
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
+    found = {}
+    for name, override in (("library", []), ("choices", ["--override", "batched_reductions=true,chunk_prefetch=false"])):
+        dump = Path(str(tmp_path)) / name
+        proc = subprocess.run([sys.executable, "benchmarks/spec_regs.py", "--batch", "32", "--heads", "32", "--state",
+                               "bf16", *override, "--dump", str(dump)], cwd=repo, env=env, capture_output=True,
+                              text=True, timeout=360)
+        assert proc.returncode == 0 and "triton 3.6.0" in proc.stdout, proc.stderr[-3000:]
+        ins = sass_loops.parse((dump / "kernel.sass").read_text())
+        start, end = sass_loops.loops(ins)[-1]  # the chunk loop: the last backward branch
+        bars = [sum(1 for a, t in ins if lo <= a <= hi and sass_loops.opcode(t) == "BAR") for lo, hi in
+                ((0, start - 1), (start, end))]
+        regs, stack = (int(x) for x in re.search(r"(\d+) registers/thread, \d+ B shared, (\d+) B stack",
+                                                  proc.stdout).groups())
+        found[name] = (bars, regs, stack)
+    (lib_pro, lib_loop), lib_regs, _ = found["library"]
+    (pro, loop), regs, stack = found["choices"]
+    assert pro * 3 <= lib_pro and loop == lib_loop, found
+    assert regs <= 168 and stack == 0 and lib_regs > 168, found
