@@ -203,7 +203,7 @@ def test_fused_mode2_in_the_interpreter(interpreter: None) -> None:
     over a whole ring cycle and a flush; against the float64 conv1d feeding the PyTorch decode too."""
     pools = fused_and_two_launch_steps(1, 2, torch.float32, [3, -1, 0, 2], oracle=True)
     plan = plan_of(pools[0], 4, False)
-    assert plan.fused_conv == 2 and plan.tiny_batch and not plan.early_qk, plan
+    assert plan.fused_conv == 2 and plan.tiny_batch and plan.early_qk, plan
     assert pools[0].conv_counters.shape == (S + 1,)
     for p in pools[:2]:
         p.check()
@@ -222,13 +222,13 @@ def test_fused_mode1_in_the_interpreter(interpreter: None) -> None:
 @pytest.mark.parametrize("H, HV, state, slots", [(1, 2, torch.float32, [3, -1, 0, 2]),
                                                  (2, 2, torch.bfloat16, [2, -1, 3, -1, 0, -1, -1, -1])],
                          ids=["mode2-tiny", "mode1"])
-def test_fused_early_loads_in_the_interpreter(interpreter: None, H: int, HV: int, state: torch.dtype,
-                                              slots: list[int]) -> None:
-    """``early_qk`` with the fused conv (a plan edit: the windows, inputs and taps loaded and the conv computed
-    before the slot's verdict, the stores after it; in mode 2 each program counts itself right after its conv and
-    the last reader writes the q/k windows from its registers): bit for bit the two launches, in mode 2 (the
-    tiny-batch path) and mode 1, over a ring cycle and a flush."""
-    pools = fused_and_two_launch_steps(H, HV, state, slots, fused_edit={"early_qk": True})
+def test_fused_conv_after_the_verdict_in_the_interpreter(interpreter: None, H: int, HV: int, state: torch.dtype,
+                                                         slots: list[int]) -> None:
+    """The fused conv after the slot's verdict (``early_qk=False``, a plan edit: the windows, inputs and taps loaded
+    and the conv computed inside the verdict's branch; in mode 2 each program counted at its end, the last reader
+    reading the q/k windows again to write them): bit for bit the two launches, in mode 2 (the tiny-batch path) and
+    mode 1, over a ring cycle and a flush."""
+    pools = fused_and_two_launch_steps(H, HV, state, slots, fused_edit={"early_qk": False})
     for p in pools[:2]:
         p.check()
 

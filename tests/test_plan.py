@@ -293,8 +293,9 @@ def test_early_qk_where_the_h200_measured_it_faster() -> None:
     """``DecodePlan.early_qk`` (the plain decode loads q and k beside the slot and normalizes them while the cursor
     loads): the pool's pre-decayed calls with a bf16 checkpoint on the batch path's one-warp programs up to
     ``EARLY_QK_UPTO`` (row, value head) pairs; not with the fused advance, on the tiny-batch path, with an fp32
-    checkpoint, the sglang layout, the op's per-row cursors, a lower bound, a fused conv, or above that size
-    (docs/tuning.md, "Slot checks"). A plan with a fused conv may take it by an edit (docs/conv.md)."""
+    checkpoint, the sglang layout, the op's per-row cursors, a lower bound, or above that size (docs/tuning.md,
+    "Slot checks"); every plan with a fused conv (its loads and math before the verdict, docs/conv.md) but one that
+    pins the checkpoint loads' eviction."""
     def early(batch: int, heads: int, **kwargs: object) -> DecodePlan:
         return _plan(batch, heads, layout="predecayed", cursor_table=True, **kwargs)
 
@@ -311,9 +312,17 @@ def test_early_qk_where_the_h200_measured_it_faster() -> None:
     assert not early(8, 32, state=BF16, lower_bound=-5.0).early_qk
     conv = dataclasses.replace(_problem(32, 32, state=BF16, layout="predecayed", cursor_table=True), conv_kernel_size=4)
     fused = plan_decode(conv, fuse_conv=True)
-    assert fused.fused_conv and not fused.early_qk
-    dataclasses.replace(fused, early_qk=True).check(conv)  # the kernel's early conv: a plan edit
+    assert fused.fused_conv and fused.early_qk
+    dataclasses.replace(fused, early_qk=False).check(conv)  # the conv after the verdict: a plan edit
     assert plan_decode(conv, fuse_conv=False).early_qk
+    for problem in (dataclasses.replace(conv, state_dtype=FP32, advance=True, batch=1),  # the tiny path, fp32
+                    dataclasses.replace(conv, ring_layout="sglang"),
+                    dataclasses.replace(conv, use_lower_bound=True, gate_bounded=True, batch=128)):
+        p = plan_decode(problem, fuse_conv=True)
+        assert p.fused_conv and p.early_qk, p
+    wide = dataclasses.replace(conv, key_dim=256, value_dim=256, state_dtype=FP32, batch=128)
+    p = plan_decode(wide, fuse_conv=True)
+    assert p.fused_conv and p.evict_state_first and not p.early_qk, p  # its pinned load positions
     assert plan_decode(_problem(8, 8, state=BF16, layout="predecayed", cursor_table=True,
                                 device=CPU)).early_qk  # the interpreter's bf16 plan: its tests run it
 

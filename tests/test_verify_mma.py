@@ -162,15 +162,14 @@ def test_mma_verify_rebase() -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
-CHOICES = {"batched": dict(batched_reductions=True), "no-prefetch": dict(chunk_prefetch=False),
-           "batched-no-prefetch": dict(batched_reductions=True, chunk_prefetch=False)}
+CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False)}
 
 
 @on_cpu_machine
 @pytest.mark.parametrize("choice", list(CHOICES))
 def test_mma_verify_plan_choices(choice: str) -> None:
-    """The tensor-core form's plan choices (``batched_reductions``: the prologue's sums over K as reductions over
-    tuples; ``chunk_prefetch=False``: each chunk's loads at its start): a chain of 3 drafts on an fp32 checkpoint in
+    """The tensor-core form's plan edits (``batched_reductions=False``: the prologue's sums over K as separate
+    reductions; ``chunk_prefetch=False``: each chunk's loads at its start): a chain of 3 drafts on an fp32 checkpoint in
     two 16-row chunks per program with a row that folds, padding and a repeated slot; then a tree of 5 drafts on a
     bf16 checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
     pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
@@ -190,34 +189,37 @@ def test_mma_verify_plan_choices(choice: str) -> None:
 
 
 def test_plan_choices_belong_to_the_tensor_core_form() -> None:
-    """``VerifyPlan.batched_reductions`` and ``chunk_prefetch``: the library's values in its plans, constexprs of the
-    tensor-core kernel when changed, refused (naming the field) on a CUDA-core plan."""
+    """``VerifyPlan.batched_reductions`` and ``chunk_prefetch``: the library's values in its plans (both on in the
+    tensor-core form, off and on in the CUDA-core form), constexprs of the tensor-core kernel when changed, refused
+    (naming the field) on a CUDA-core plan."""
     base = dict(batch=8, drafts=4, num_q_heads=2, num_v_heads=2, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
     problem = verify_plan.VerifyProblem(**base)
     plan = verify_plan.plan_verify(problem)
-    assert plan.tensor_cores and not plan.batched_reductions
-    batched = dataclasses.replace(plan, batched_reductions=True)
-    batched.check(problem)
-    assert batched.constexprs()["batched_reductions"] is True and "batched_reductions=True" in str(batched)
+    assert plan.tensor_cores and plan.batched_reductions and plan.constexprs()["batched_reductions"] is True
+    separate = dataclasses.replace(plan, batched_reductions=False)
+    separate.check(problem)
+    assert separate.constexprs()["batched_reductions"] is False and "batched_reductions=False" in str(separate)
     assert plan.chunk_prefetch and dataclasses.replace(plan, chunk_prefetch=False).constexprs()["chunk_prefetch"] is False
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
+    assert not cuda_cores.batched_reductions and cuda_cores.chunk_prefetch
     for change in (dict(batched_reductions=True), dict(chunk_prefetch=False)):
         with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
             dataclasses.replace(cuda_cores, **change).check(problem)
 
 
 @on_cpu_machine
-def test_mma_verify_batched_reductions_rebase() -> None:
-    """``batched_reductions`` with heads that rebase (the drafts' minima over K, as one reduction, pass the bound)."""
+def test_mma_verify_separate_reductions_rebase() -> None:
+    """``batched_reductions=False`` (a plan edit: the drafts' minima over K as separate reductions) with heads that
+    rebase (the minima pass the bound)."""
     pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=3, ring_length=6, cache_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(24)
     model = make_model(pool, gen, lower_bound=-18.0)
     pool.alloc(2)
     _warm(pool, model, [[0, 1], [0, 1], [0, -1]], gen, a_shift=4.0)
     before = pool.g_cache[0, 0, :, 2].clone()
-    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, batched_reductions=True)
+    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, batched_reductions=False)
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
@@ -290,10 +292,10 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["tensor-cores", "tensor-cores-batched", "tensor-cores-batched-no-prefetch", "cuda-cores"])
+@pytest.fixture(params=["tensor-cores", "tensor-cores-separate", "tensor-cores-no-prefetch", "cuda-cores"])
 def verify_form(request: pytest.FixtureRequest) -> str:
-    """The verify form a test's calls take: the tensor-core form (the library's plan, with ``batched_reductions``,
-    or with it and ``chunk_prefetch=False``) or the CUDA-core form."""
+    """The verify form a test's calls take: the tensor-core form (the library's plan; or with
+    ``batched_reductions=False``; or with ``chunk_prefetch=False``) or the CUDA-core form."""
     return request.param
 
 
@@ -304,7 +306,8 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
                                         torch.cuda.get_device_properties(pool.device).multi_processor_count,
                                         pool.ring_layout, tree, True, False, False)
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
-    return dataclasses.replace(plan, batched_reductions="batched" in form, chunk_prefetch="no-prefetch" not in form)
+    return dataclasses.replace(plan, batched_reductions=plan.batched_reductions and "separate" not in form,
+                               chunk_prefetch="no-prefetch" not in form)
 
 
 @pytest.mark.gpu

@@ -343,12 +343,17 @@ def late_count_rule(advance: bool, vector_tiles: int, tensor_core_chunks: bool, 
 def early_qk_rule(problem: DecodeProblem, tiny_batch: bool, fused_conv: int, num_warps: int,
                   evict_state_first: bool) -> bool:
     """Whether the decode loads q and k beside the slot and normalizes them while the cursor loads
-    (``DecodePlan.early_qk``): the pool's calls (cursor table) on the pre-decayed layout with a bf16 checkpoint and
-    no lower bound, on the batch path's one-warp programs up to :data:`EARLY_QK_UPTO` (row, value head) pairs,
-    without the fused advance or conv: the programs the H200 measured faster (docs/tuning.md, "Slot checks"). The
-    interpreter's programs (4 warps) follow the same rule. With a fused conv the kernel has the form too (the conv's
-    loads and math before the verdict, docs/conv.md), a plan edit until its GPU tests have run."""
-    return (not problem.advance and not tiny_batch and not fused_conv and not evict_state_first
+    (``DecodePlan.early_qk``), the programs the H200 measured faster (docs/tuning.md, "Slot checks" and "The conv"):
+
+    - with a fused conv, every plan but those pinning the checkpoint loads' eviction (``evict_state_first``, whose
+      load positions the early loads would move): the conv's windows, inputs and taps loaded and its math done
+      before the slot's verdict, mode 2 counted right after the conv (docs/conv.md);
+    - without, the pool's calls (cursor table) on the pre-decayed layout with a bf16 checkpoint and no lower bound,
+      on the batch path's one-warp programs up to :data:`EARLY_QK_UPTO` (row, value head) pairs, without the fused
+      advance. The interpreter's programs (4 warps) follow the same rule."""
+    if fused_conv:
+        return not evict_state_first
+    return (not problem.advance and not tiny_batch and not evict_state_first
             and problem.cursor_table and problem.ring_layout == "predecayed" and not problem.use_lower_bound
             and problem.state_dtype == torch.bfloat16 and (num_warps == 1 or problem.device_type != "cuda")
             and problem.batch * problem.num_v_heads <= EARLY_QK_UPTO)

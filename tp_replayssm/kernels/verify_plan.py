@@ -15,9 +15,10 @@ docs/spec.md):
   :data:`MMA_VALUE_CHUNK`-row chunks, the narrowest value tile of 32 / 64 rows whose grid fits one wave of
   :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``; two bf16 parts per fp32 operand with a bf16
   checkpoint, three with fp32;
-- ``batched_reductions`` (the tensor-core prologue's sums over ``K`` as reductions over tuples: 75 fewer CTA barriers
-  per program at T = 4) and ``chunk_prefetch=False`` (each chunk's loads at its start: 157 registers per thread
-  instead of 255) are plan edits until the H200 has timed them (docs/spec.md);
+- in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
+  fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
+  prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start, 157 registers per
+  thread instead of 255, were 8-14% slower) (docs/tuning.md, "The verify form");
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
@@ -243,6 +244,7 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=parts,
+        batched_reductions=mma,
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
