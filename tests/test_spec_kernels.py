@@ -136,6 +136,23 @@ def test_commit_kernels(tree: bool, interpreter: None) -> None:
     for name in (*TENSORS, "conv_state"):
         assert torch.equal(getattr(pool, name), getattr(twin, name)), name
     assert pool.slot_errors[1] == 1
+    # a commit whose every row is bad (out of range, one slot named twice, num_accepted past T): nothing moves, and
+    # the four rows join the record after the first call's row, in row order, as the torch ops record them
+    drafts = random_drafts(pool, 4, 3, gen)
+    for p in (pool, twin):
+        with use_cpu_backend("torch"):
+            verify_all(p, model, drafts, slots, parents)
+    cursors = pool.cursors.clone()
+    bad = torch.tensor([pool.num_slots + 3, 0, 0, 1], dtype=torch.int32)
+    n = torch.tensor([1, 1, 1, 9], dtype=torch.int32)
+    pool.commit(bad, n, path=path)
+    with use_cpu_backend("torch"):
+        twin.commit(bad, n, path=path)
+    for name in (*TENSORS, "conv_state"):
+        assert torch.equal(getattr(pool, name), getattr(twin, name)), name
+    assert torch.equal(pool.cursors, cursors)
+    assert pool.slot_errors[1:3].tolist() == [5, 5]
+    assert pool.slot_errors[6:14].tolist() == [0, pool.num_slots + 3, 1, 0, 2, 0, 3, 1]
 
 
 def test_plan_rules() -> None:
