@@ -306,6 +306,7 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     repo = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HELION_INTERPRET")}
     runs = [["--batch", "32", "--heads", "32", "--state", "bf16"],
+            ["--batch", "8", "--heads", "32", "--state", "bf16"],  # two 64-row value tiles per value head
             ["--batch", "32", "--heads", "32", "--state", "fp32", "--tree"],
             ["--batch", "8", "--heads", "16", "--group", "2", "--state", "fp32", "--tree", "--layout", "sglang",
              "--lower-bound", "-5"],

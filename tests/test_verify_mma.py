@@ -188,6 +188,22 @@ def test_mma_verify_plan_choices(choice: str) -> None:
     _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, **CHOICES[choice])
 
 
+def test_tensor_core_value_tiles_by_waves() -> None:
+    """The tensor-core form's value tile on a 132-SM GPU (2 programs per SM): the narrowest of 32 / 64 rows whose grid
+    fits one wave (264 programs); with a bf16 checkpoint, failing that, two waves (528); else all of V. HV32 at
+    B = 1 / 4 / 8 / 32: 32 / 64 / 64 / 128 rows with a bf16 checkpoint, 32 / 64 / 128 / 128 with fp32."""
+    base = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
+                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
+    for state, tiles in ((torch.bfloat16, (32, 64, 64, 128)), (torch.float32, (32, 64, 128, 128))):
+        got = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
+               for b in (1, 4, 8, 32)]
+        assert [p.value_tile for p in got] == list(tiles), (state, [str(p) for p in got])
+        assert [p.tile_readers for p in got] == [128 // t for t in tiles]
+    small_gpu = verify_plan.VerifyProblem(**{**base, "batch": 8, "sm_count": 66})  # 132 / 264 programs a wave
+    assert verify_plan.plan_verify(small_gpu).value_tile == 128
+
+
 def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     """``VerifyPlan.batched_reductions`` and ``chunk_prefetch``: the library's values in its plans (both on in the
     tensor-core form, off and on in the CUDA-core form), constexprs of the tensor-core kernel when changed, refused

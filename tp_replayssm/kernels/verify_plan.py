@@ -13,7 +13,8 @@ docs/spec.md):
   widths, at most :data:`MMA_MAX_DRAFTS` drafts; bf16 and fp32 checkpoints, the latter as three bf16 parts; on the
   H200 it is 1.9-3.9x faster than the CUDA-core form, docs/spec.md): :data:`MMA_WARPS`-warp programs over
   :data:`MMA_VALUE_CHUNK`-row chunks, the narrowest value tile of 32 / 64 rows whose grid fits one wave of
-  :data:`MMA_PROGRAMS_PER_SM` programs per SM, else all of ``V``; two bf16 parts per fp32 operand with a bf16
+  :data:`MMA_PROGRAMS_PER_SM` programs per SM (with a bf16 checkpoint, failing that, :data:`MMA_BF16_STATE_WAVES`
+  waves), else all of ``V``; two bf16 parts per fp32 operand with a bf16
   checkpoint, three with fp32;
 - in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
   fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
@@ -57,6 +58,11 @@ MMA_MAX_DRAFTS = 15
 MMA_WARPS = 4
 MMA_VALUE_CHUNK = 32
 MMA_PROGRAMS_PER_SM = 2
+# with a bf16 checkpoint (two operand parts), where no value tile's grid fits one wave: the narrowest whose grid fits
+# this many waves, else all of V (HV32 B8 on the H200: 64-row tiles, 512 programs, 15.77 us a verify + commit step
+# against 16.92 with one 128-row tile; with an fp32 checkpoint 64-row tiles were slower, 26.50 against 24.42;
+# docs/tuning.md, "The verify form")
+MMA_BF16_STATE_WAVES = 2
 # value rows per step of a folding program's pass over its tile: [16, K] tiles whatever the chunk loop's size, so
 # the rare fold keeps the registers of the every-step loop free (32-row fold steps spilled on sm_90)
 MMA_FOLD_CHUNK = 16
@@ -236,6 +242,8 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         warps = MMA_WARPS
         if problem.device_type == "cuda":
             vt = _one_wave_tile((32, 64), full, pairs, V, MMA_PROGRAMS_PER_SM * sms)
+            if vt == full and problem.state_dtype == torch.bfloat16:
+                vt = _one_wave_tile((32, 64), full, pairs, V, MMA_BF16_STATE_WAVES * MMA_PROGRAMS_PER_SM * sms)
         vt = max(16, min(vt, full))
         chunk = min(vt, MMA_VALUE_CHUNK)
         if problem.state_dtype == torch.bfloat16:
