@@ -32,7 +32,7 @@ from ..reference_spec import commit_rows, conv_windows_after
 from . import direct
 from .args import rows_view
 from .backend import runs_kernel
-from .cursor import MAX_ROWS, launch_choice
+from .cursor import MAX_ROWS, launch_choice, record_rows
 
 if TYPE_CHECKING:
     from ..pool.pool import ReplaySSMStatePool
@@ -100,21 +100,12 @@ def commit_cursor_kernel(
             hl.store(folded, [layer * (scratch + 1) + idx], rowi * 0, extra_mask=ok)
         hl.store(plan, [rowi], torch.where(ok, base, -1))
         hl.store(plan, [rowi + B], taken)
-        # record the bad rows as the cursor advance does (kernels.cursor): only when there are any, so a clean step
-        # issues no atomic on the record's words (B same-address atomics each would serialize in L2); one scalar
-        # atomic per record word, each bad row's place a prefix count over the batch (this one tile)
+        # record the bad rows only when there are any: a clean step issues no atomic on the record's words (B
+        # same-address atomics would serialize in L2)
         bad = torch.where((slot >= 0) & (accept == 0), 1, 0).to(torch.int32)
         n_bad = torch.sum(bad, dim=0).to(torch.int32)
         if n_bad > 0:
-            code = call_code[0]
-            first = hl.atomic_cas(slot_errors, [0], n_bad * 0, code)  # int32 operands, as the pointer's
-            hl.atomic_add(slot_errors, [2], n_bad)
-            mine = (first == 0) | (first == code)
-            start = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
-            at = start + hl.cumsum(bad, 0) - bad
-            keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md)
-            hl.store(slot_errors, [4 + 2 * at], rowi, extra_mask=keep)
-            hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
+            record_rows(slot_errors, call_code[0], bad, n_bad, rowi, slot)
     return cursors
 
 

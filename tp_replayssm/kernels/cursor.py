@@ -62,22 +62,29 @@ def cursor_advance_kernel(
         hl.inline_triton(_BARRIER, args=(), output_like=None)  # every read before any store
         # the moved cursor, or the cursor as it was (its count cleared) for a bad row or the scratch entry
         hl.store(cursors, [idx], torch.where(ok, torch.where(flushed, 0, c + 1), c))
-        # record the bad rows: the first call since the last check owns the record (kernels.guard.describe_record). Only
-        # when there are any (no atomic on the every-step path); one scalar atomic per record word (the whole batch is
-        # this one tile), each bad row's place a prefix count
+        # record the bad rows only when there are any (no atomic on the every-step path)
         bad = torch.where((slot >= 0) & (ok == 0), 1, 0).to(torch.int32)
         n_bad = torch.sum(bad, dim=0).to(torch.int32)
         if n_bad > 0:
-            code = call_code[0]
-            first = hl.atomic_cas(slot_errors, [0], n_bad * 0, code)  # int32 operands, as the pointer's
-            hl.atomic_add(slot_errors, [2], n_bad)
-            mine = (first == 0) | (first == code)
-            base = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
-            at = base + hl.cumsum(bad, 0) - bad
-            keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md)
-            hl.store(slot_errors, [4 + 2 * at], tile_b.index, extra_mask=keep)
-            hl.store(slot_errors, [5 + 2 * at], slot, extra_mask=keep)
+            record_rows(slot_errors, call_code[0], bad, n_bad, tile_b.index, slot)
     return cursors
+
+
+def record_rows(slot_errors: torch.Tensor, code: torch.Tensor, bad: torch.Tensor, n_bad: torch.Tensor,
+                rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Inside a one-program kernel whose batch is one tile (the cursor advance, the commit), called when the call has
+    bad rows (``n_bad > 0``): record them in the pool's ``slot_errors`` as :func:`.guard.record_bad_rows` does with
+    torch ops. The first call since the last check owns the record (kernels.guard.describe_record); one scalar atomic
+    per record word, each bad row's place a prefix count over ``bad [B]`` (int32 0/1); ``code``: the call's
+    (``call_code[0]``, read in the kernel's body); ``rows`` and ``slots`` [B]."""
+    first = hl.atomic_cas(slot_errors, [0], n_bad * 0, code)  # int32 operands, as the pointer's
+    hl.atomic_add(slot_errors, [2], n_bad)
+    mine = (first == 0) | (first == code)
+    base = hl.atomic_add(slot_errors, [1], torch.where(mine, n_bad, 0))
+    at = base + hl.cumsum(bad, 0) - bad
+    keep = torch.where(mine, (bad == 1) & (at < 8), False)  # RECORDED_ROWS (a where: docs/pitfalls.md)
+    hl.store(slot_errors, [4 + 2 * at], rows, extra_mask=keep)
+    hl.store(slot_errors, [5 + 2 * at], slots, extra_mask=keep)
 
 
 _SETTINGS = dict(static_shapes=False, index_dtype=torch.int32)
