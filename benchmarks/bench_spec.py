@@ -280,7 +280,7 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
 
     plan = plan_verify(VerifyProblem(B, T, HV, HV, 128, 128, L, DTYPES[shape["state"]], torch.bfloat16, "cuda",
                                      torch.cuda.get_device_properties(0).multi_processor_count, args.layout, False,
-                                     True, lb is not None, lb is not None and (L - 1) * abs(lb) <= 75),
+                                     True, lb is not None, lb is not None and (L - 1) * abs(lb) <= 75, torch.bfloat16),
                        tensor_cores=form_flag(shape["form"]))
     if shape["override"]:
         import dataclasses

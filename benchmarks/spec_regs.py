@@ -109,7 +109,7 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     dims = VerifyDims(B, T, H, HV, K, V, L, S)
     bounded = lower_bound is not None and (L - 1) * abs(lower_bound) <= 75
     plan = plan_verify(VerifyProblem(B, T, H, HV, K, V, L, sdt, torch.bfloat16, "cuda", 132, layout, tree, True,
-                                     lower_bound is not None, bounded))
+                                     lower_bound is not None, bounded, adt))
     if override:
         import dataclasses
 

@@ -51,11 +51,12 @@ def _verify(pool: ReplaySSMStatePool, model: object, drafts: object, slots: torc
 
 def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen: torch.Generator,
           parents: list[list[int]] | None, tol: float, exact_tol: float, a_shift: float = 0.0,
-          **override: int) -> None:
+          dtype: torch.dtype = torch.float32, **override: int) -> None:
     """The kernel (interpreter) against the torch path on a twin (outputs within ``tol``, pool tensors within a bf16
-    step), and against float64 along the draft paths from the pool's state (within ``exact_tol``). ``override``:
-    plan fields replaced (``value_tile`` with its ``tile_readers``)."""
-    problem = _problem(pool, len(slots), T, parents is not None, model.lower_bound)
+    step), and against float64 along the draft paths from the pool's state (within ``exact_tol``). ``dtype``: the
+    drafts' activations (and outputs). ``override``: plan fields replaced (``value_tile`` with its
+    ``tile_readers``)."""
+    problem = _problem(pool, len(slots), T, parents is not None, model.lower_bound, dtype)
     assert verify_plan.tensor_core_refusal(problem) == ""
     plan = verify_plan.plan_verify(problem, tensor_cores=True)
     if override:
@@ -70,7 +71,7 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
     oracle = Oracle(pool)
     for layer, o in enumerate(oracle.layers):
         o.load(live, pool.read_state(layer, torch.tensor(live, dtype=torch.int32)))
-    drafts = random_drafts(pool, len(slots), T, gen, a_shift=a_shift)
+    drafts = random_drafts(pool, len(slots), T, gen, dtype=dtype, a_shift=a_shift)
     t = torch.tensor(slots, dtype=torch.int32)
     par = None if parents is None else torch.tensor(parents, dtype=torch.int32)
     with use_cpu_backend("interpreter"):
@@ -94,13 +95,14 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
         assert torch.equal(getattr(pool, name)[:, unused], saved), f"{name} of the unused slot changed"
 
 
-def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool,
-             lower_bound: float | None = None) -> verify_plan.VerifyProblem:
+def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, lower_bound: float | None = None,
+             activation_dtype: torch.dtype = torch.float32) -> verify_plan.VerifyProblem:
     lh = pool.local_heads
     bounded = lower_bound is not None and (pool.ring_length - 1) * abs(lower_bound) <= 75
     return verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
                                      pool.ring_length, pool.state_dtype, pool.cache_dtype, "cpu", 132,
-                                     pool.ring_layout, tree, True, lower_bound is not None, bounded)
+                                     pool.ring_layout, tree, True, lower_bound is not None, bounded,
+                                     activation_dtype)
 
 
 @on_cpu_machine
@@ -136,15 +138,16 @@ def test_mma_verify_tree_bf16_state_two_value_tiles() -> None:
 @on_cpu_machine
 def test_mma_verify_two_chunks_per_program() -> None:
     """A program of two 16-row value chunks (V = 32, one value tile of 32 rows): the second chunk's checkpoint rows,
-    deltas and draft values are loaded during the first one's math; fp32 checkpoint, a chain of 3 drafts; rows: one
-    that folds (cursor 4, L = 6), one that does not (cursor 2), padding, a repeated slot."""
+    deltas and draft values are loaded during the first one's math; fp32 checkpoint with bf16 activations (two bf16
+    parts per fp32 operand), a chain of 3 drafts; rows: one that folds (cursor 4, L = 6), one that does not (cursor
+    2), padding, a repeated slot."""
     pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(23)
     model = make_model(pool, gen)
     pool.alloc(4)
     _warm(pool, model, [[0, 1, 2], [0, -1, 2], [0, -1, -1], [0, -1, -1]], gen)
     assert pool.cursors[[0, 2]].tolist() == [4, 2]
-    _case(pool, model, [0, 2, -1, 1, 1], 3, gen, None, 1e-5, 1e-5, value_tile=32)
+    _case(pool, model, [0, 2, -1, 1, 1], 3, gen, None, 5e-3, 5e-3, dtype=torch.bfloat16, value_tile=32)
     assert pool.slot_errors[2] == 2 and pool.spec_folded[0, [0, 2]].tolist() == [1, 0]
 
 
@@ -162,7 +165,8 @@ def test_mma_verify_rebase() -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
-CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False)}
+CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False),
+           "fold-pass": dict(fold_in_chunks=False), "fold-in-chunks": dict(fold_in_chunks=True)}
 
 
 @on_cpu_machine
@@ -194,7 +198,8 @@ def test_tensor_core_value_tiles_by_waves() -> None:
     B = 1 / 4 / 8 / 32: 32 / 64 / 64 / 128 rows with a bf16 checkpoint, 32 / 64 / 128 / 128 with fp32."""
     base = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
+                activation_dtype=torch.bfloat16)
     for state, tiles in ((torch.bfloat16, (32, 64, 64, 128)), (torch.float32, (32, 64, 128, 128))):
         got = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
                for b in (1, 4, 8, 32)]
@@ -205,12 +210,13 @@ def test_tensor_core_value_tiles_by_waves() -> None:
 
 
 def test_plan_choices_belong_to_the_tensor_core_form() -> None:
-    """``VerifyPlan.batched_reductions`` and ``chunk_prefetch``: the library's values in its plans (both on in the
-    tensor-core form, off and on in the CUDA-core form), constexprs of the tensor-core kernel when changed, refused
-    (naming the field) on a CUDA-core plan."""
+    """``VerifyPlan.batched_reductions``, ``chunk_prefetch`` and ``fold_in_chunks``: the library's values in its plans
+    (the first two on in the tensor-core form; off, on and off in the CUDA-core form), constexprs of the tensor-core
+    kernel when changed, refused (naming the field) on a CUDA-core plan."""
     base = dict(batch=8, drafts=4, num_q_heads=2, num_v_heads=2, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
+                activation_dtype=torch.bfloat16)
     problem = verify_plan.VerifyProblem(**base)
     plan = verify_plan.plan_verify(problem)
     assert plan.tensor_cores and plan.batched_reductions and plan.constexprs()["batched_reductions"] is True
@@ -220,9 +226,26 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     assert plan.chunk_prefetch and dataclasses.replace(plan, chunk_prefetch=False).constexprs()["chunk_prefetch"] is False
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
     assert not cuda_cores.batched_reductions and cuda_cores.chunk_prefetch
-    for change in (dict(batched_reductions=True), dict(chunk_prefetch=False)):
+    for change in (dict(batched_reductions=True), dict(chunk_prefetch=False), dict(fold_in_chunks=True)):
         with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
             dataclasses.replace(cuda_cores, **change).check(problem)
+    assert not cuda_cores.fold_in_chunks and "fold_in_chunks" not in cuda_cores.constexprs()
+
+
+def test_fold_in_chunks_rule() -> None:
+    """``VerifyPlan.fold_in_chunks`` (a fold's checkpoint rows stored from the chunk loop) on a 132-SM GPU, HV32: with
+    an fp32 checkpoint at every batch size; with bf16 where one value tile covers V and the grid fills at most four
+    waves of two programs per SM (B = 32: 1024 programs), not at B = 128 (4096) nor with B = 8's 64-row tiles; a
+    constexpr of the tensor-core kernel."""
+    base = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
+                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
+                activation_dtype=torch.bfloat16)
+    for state, want in ((torch.bfloat16, [False, False, True, False]), (torch.float32, [True] * 4)):
+        plans = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
+                 for b in (1, 8, 32, 128)]
+        assert [p.fold_in_chunks for p in plans] == want, (state, [str(p) for p in plans])
+        assert [p.constexprs()["fold_in_chunks"] for p in plans] == want
 
 
 @on_cpu_machine
@@ -278,7 +301,8 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
     with the reason; a plan that cannot run a call is refused; equal problems get the same plan object."""
     base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False)
+                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
+                activation_dtype=torch.bfloat16)
     plan = verify_plan.plan_verify(verify_plan.VerifyProblem(**base))
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**base)) is plan  # planned once per problem (host time)
     assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 32 and plan.columns == 16
@@ -300,7 +324,11 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
             verify_plan.plan_verify(problem, tensor_cores=True)
     assert not verify_plan.plan_verify(verify_plan.VerifyProblem(**base), tensor_cores=False).tensor_cores
     fp32 = verify_plan.VerifyProblem(**{**base, "state_dtype": torch.float32})
-    assert verify_plan.plan_verify(fp32).tensor_cores and verify_plan.plan_verify(fp32).operand_parts == 3
+    assert verify_plan.plan_verify(fp32).tensor_cores and verify_plan.plan_verify(fp32).operand_parts == 2
+    fp32_out = verify_plan.VerifyProblem(**{**base, "state_dtype": torch.float32, "activation_dtype": torch.float32})
+    assert verify_plan.plan_verify(fp32_out).operand_parts == 3  # fp32-accurate products for fp32 outputs
+    bf16_fp32_out = verify_plan.VerifyProblem(**{**base, "activation_dtype": torch.float32})
+    assert verify_plan.plan_verify(bf16_fp32_out).operand_parts == 2
     assert not verify_plan.plan_verify(fp32, tensor_cores=False).tensor_cores
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "drafts": 9})).columns == 32
 
@@ -320,7 +348,7 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
     problem = verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
                                         pool.ring_length, pool.state_dtype, pool.cache_dtype, pool.device.type,
                                         torch.cuda.get_device_properties(pool.device).multi_processor_count,
-                                        pool.ring_layout, tree, True, False, False)
+                                        pool.ring_layout, tree, True, False, False, torch.bfloat16)
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
     return dataclasses.replace(plan, batched_reductions=plan.batched_reductions and "separate" not in form,
                                chunk_prefetch="no-prefetch" not in form)

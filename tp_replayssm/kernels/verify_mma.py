@@ -21,8 +21,11 @@ products.
 
 Writes as the CUDA-core verify kernel (:mod:`.verify`, docs/spec.md): the outputs, the drafts' ring entries at
 ``base + t`` (``base = 0`` when the row folds, else the cursor), no checkpoint except where the committed ring folds
-(``c + T > L - 1``: ``S_c = (S0 + D^T Kt) * exp(tot)``, one more product per chunk) or a head rebases (its drafts
-would pass the bound: ``S_c`` to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). Per-head ring rows
+(``c + T > L - 1``: ``S_c = (S0 + D^T Kt) * exp(tot)``) or a head rebases (its drafts would pass the bound: ``S_c``
+to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). A rebase, and a fold unless ``fold_in_chunks``,
+runs a pass over the value tile first and the drafts then start from ``S_c``; with ``fold_in_chunks`` a folding row's
+products are those of a row that does not fold (the committed state as ``S0`` and the ring) and each chunk stores
+its rows of ``S_c`` from the ``S0`` rows and deltas it holds (one more product per chunk). Per-head ring rows
 that other programs of the head read are written by the head's last program to pass its prologue (an acq_rel count
 in ``counters``, zero again after the launch). Slot safety as in the decode kernel, except that a refused row's
 programs run through (their cursor read as 0) with every store masked and zeros for outputs: the drafts' loads then
@@ -89,6 +92,7 @@ def replayssm_verify_mma_kernel(
     on_gpu: hl.constexpr = True,
     batched_reductions: hl.constexpr = False,  # the prologue's sums over K as reductions over tuples (verify_math)
     chunk_prefetch: hl.constexpr = True,  # each chunk's loads issued during the previous chunk's math (registers)
+    fold_in_chunks: hl.constexpr = False,  # a fold's checkpoint rows stored from the chunk loop, not a pass before it
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -161,7 +165,9 @@ def replayssm_verify_mma_kernel(
             anc = ancestry(pars, T)
             gam = path_sums(gates, anc, T)
             tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
-            drop = fold  # the committed ring goes to the checkpoint (a fold or a rebase)
+            decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, stored chunk by chunk
+            drop = fold  # the drafts' rows overwrite committed ring rows (a fold or a rebase)
+            emptied = cur * 0  # a rebase zeroes the committed deltas j < emptied
             if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
                 low = min_log_decay(tot, gam, T, batched_reductions)
                 rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
@@ -169,10 +175,14 @@ def replayssm_verify_mma_kernel(
                     rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
                                                        dtype=torch.int32, is_pure=True, pack=1)
                 drop = drop | (rebase != 0)
-                emptied = torch.where(rebase != 0, cur, 0)  # a rebase zeroes the committed deltas j < emptied
-            if drop:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot) (rare):
-                # the drafts then start from S_c at the ring's new base (no ring term, tot = 0)
-                decay = torch.exp(tot)
+                emptied = torch.where(rebase != 0, cur, 0)
+            if fold_in_chunks:  # a fold's checkpoint goes out from the chunk loop: a pass only for a rebase
+                prepass = drop & (fold == 0)
+            else:
+                prepass = drop
+            if prepass:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot), a rebase's
+                # committed deltas zeroed; the drafts then start from S_c at the ring's new base (no ring term,
+                # tot = 0)
                 for fchunk in hl.grid(tv.begin, tv.end, fold_chunk):
                     frows = fchunk + hl.arange(fold_chunk)
                     flive = frows < tv.end
@@ -192,11 +202,12 @@ def replayssm_verify_mma_kernel(
                     s_next = hl.load(state_rows, [st_base + lead * st_v, slice(None)],
                                      extra_mask=(lead < tv.end)[:, None])
                 tot = tot * 0.0
-            ring_live = (j < torch.where(drop, 0, cur)) & (j < ring_length)  # the entries the products read
+            ring_live = (j < torch.where(prepass, 0, cur)) & (j < ring_length)  # the entries the products read
+            g_base = torch.where(drop, 0.0, tot)  # the drafts' cumulative gates start here (0 from a new base)
             # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
             # as bf16 parts: A^T [N, K] whose rows give every draft's delta and output (the forward substitution
-            # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero once
-            # folded) and the values' matrix E^T [N, N]
+            # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero after a
+            # rebase) and the values' matrix E^T [N, N]
             row_n = vc[:, None]
             aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
             aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
@@ -213,7 +224,7 @@ def replayssm_verify_mma_kernel(
             # per-head ring rows: the drafts' gates G_t (from the base) and keys kt_t at base + t, and a rebase's
             # new base G_{c-1} = 0
             t_col = tt[:, None]
-            g_store = stack_rows([(tot + gam[t])[None, :] for t in hl.static_range(T)], t_col, T)  # [Tb, K]
+            g_store = stack_rows([(g_base + gam[t])[None, :] for t in hl.static_range(T)], t_col, T)  # [Tb, K]
             k_store = (stack_rows([ks[t][None, :] for t in hl.static_range(T)], t_col, T)
                        * torch.exp(-g_store)).to(k_rows.dtype)
             g_at = s64 * gr_s + hv * gr_h + (base + tt) * gr_l
@@ -271,6 +282,12 @@ def replayssm_verify_mma_kernel(
                 else:  # others as bf16 parts, as the checkpoint
                     acc0, acc1, acc2 = part_products(et_parts, bf16_parts(v_cur.to(torch.float32), operand_parts),
                                                      acc0, acc1, acc2, operand_parts)
+                if fold_in_chunks:
+                    if fold:  # the committed state's rows into the checkpoint; the products above read the same
+                        # state, S0 and the committed ring unrounded, so the fold needs no pass of its own
+                        s_row = (s0.to(torch.float32) + hl.dot(d_cur.T, k_ring)) * decay[None, :]  # [Vc, K]
+                        hl.store(state_rows, [st_base + rows * st_v, slice(None)], s_row.to(state_rows.dtype),
+                                 extra_mask=live[:, None])
                 res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output
                 if operand_parts == 3:
                     res = res + acc2

@@ -10,12 +10,15 @@ The rules (sm_90 register counts from ``benchmarks/spec_regs.py``; times from ``
 docs/spec.md):
 
 - the tensor-core form wherever it can run (:func:`tensor_core_refusal`: pre-decayed bf16 rings, power-of-two
-  widths, at most :data:`MMA_MAX_DRAFTS` drafts; bf16 and fp32 checkpoints, the latter as three bf16 parts; on the
+  widths, at most :data:`MMA_MAX_DRAFTS` drafts; bf16 and fp32 checkpoints; on the
   H200 it is 1.9-3.9x faster than the CUDA-core form, docs/spec.md): :data:`MMA_WARPS`-warp programs over
   :data:`MMA_VALUE_CHUNK`-row chunks, the narrowest value tile of 32 / 64 rows whose grid fits one wave of
   :data:`MMA_PROGRAMS_PER_SM` programs per SM (with a bf16 checkpoint, failing that, :data:`MMA_BF16_STATE_WAVES`
-  waves), else all of ``V``; two bf16 parts per fp32 operand with a bf16
-  checkpoint, three with fp32;
+  waves), else all of ``V``; two bf16 parts per fp32 operand, three where both the checkpoint and the outputs
+  are fp32;
+- in the tensor-core form, a fold's checkpoint rows stored from the chunk loop (``fold_in_chunks``,
+  :data:`MMA_FOLD_IN_CHUNKS_BF16_WAVES`) with an fp32 checkpoint, and with bf16 where one value tile covers V and the
+  grid fills at most four waves;
 - in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
   fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
   prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start, 157 registers per
@@ -46,11 +49,12 @@ PROGRAMS_PER_SM = 3
 # with 4 warps at K = 128 (16 x 4 took 255; sm_90, triton 3.6, benchmarks/spec_regs.py)
 CHUNK_DRAFT_ROWS = 32
 NUM_WARPS = 4
-# the tensor-core form (kernels/verify_mma.py): its fp32 operands' bf16 parts (3: fp32-accurate products; with a bf16
-# checkpoint 2, ~2^-16 relative, far below the bf16 rings' and outputs' rounding, and 9-37% faster on the H200,
-# docs/spec.md); its most drafts
-MMA_OPERAND_PARTS = 3
-MMA_OPERAND_PARTS_BF16_STATE = 2
+# the tensor-core form (kernels/verify_mma.py): its fp32 operands' bf16 parts. Two give products to ~2^-16 relative,
+# far below the rounding of a bf16 checkpoint and of bf16 / fp16 outputs (the bf16 rings' too): 9-37% faster than
+# three with a bf16 checkpoint and 6-13% with fp32 on the H200 (docs/spec.md). Three (~2^-24, fp32-accurate
+# products) where both the checkpoint and the outputs are fp32. Its most drafts
+MMA_OPERAND_PARTS = 2
+MMA_OPERAND_PARTS_FP32 = 3
 MMA_MAX_DRAFTS = 15
 # its programs: 4 warps over 32-row chunks (each warp an 8-column slice of the [N, 32] products; 16-row chunks made
 # every warp compute all of them), 2 resident per SM (255 registers per thread at K = 128, T = 4, no spills with a
@@ -63,6 +67,12 @@ MMA_PROGRAMS_PER_SM = 2
 # against 16.92 with one 128-row tile; with an fp32 checkpoint 64-row tiles were slower, 26.50 against 24.42;
 # docs/tuning.md, "The verify form")
 MMA_BF16_STATE_WAVES = 2
+# a folding row's checkpoint rows stored from the chunk loop (``fold_in_chunks``) rather than in a pass over the tile
+# before it: with an fp32 checkpoint always (HV32 on the H200: 14-22% faster verify + commit steps at B = 8 / 32 /
+# 128), with bf16 where the value tile is all of V and the grid is at most this many waves of
+# MMA_PROGRAMS_PER_SM programs (HV32 B32: 38.06 us against 40.14; B128, 16 waves: 124.04 against 122.62; B8 with
+# 64-row tiles: 18.92 against 15.86; docs/spec.md, "The fold")
+MMA_FOLD_IN_CHUNKS_BF16_WAVES = 4
 # value rows per step of a folding program's pass over its tile: [16, K] tiles whatever the chunk loop's size, so
 # the rare fold keeps the registers of the every-step loop free (32-row fold steps spilled on sm_90)
 MMA_FOLD_CHUNK = 16
@@ -89,6 +99,7 @@ class VerifyProblem:
     use_l2norm: bool
     use_lower_bound: bool
     gate_bounded: bool
+    activation_dtype: torch.dtype  # mixed_qkv's: the values' and the outputs'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +127,9 @@ class VerifyPlan:
     # rebase test's minima) as one reduction over a tuple each (one barrier across the warps, not one per sum)
     chunk_prefetch: bool = True  # tensor cores: each chunk's loads issued during the previous chunk's math (False:
     # at the chunk's start, ~100 fewer registers per thread at K = 128, so more programs per SM)
+    fold_in_chunks: bool = False  # tensor cores: a folding row's checkpoint rows stored from the chunk loop (the
+    # drafts' products read the committed state as S0 and the ring, as a row that does not fold), not in a pass
+    # over the tile before it
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -144,7 +158,8 @@ class VerifyPlan:
                       named_block=self.named_block, on_gpu=self.on_gpu)
         if self.tensor_cores:
             return dict(common, columns=self.columns, operand_parts=self.operand_parts, fold_chunk=MMA_FOLD_CHUNK,
-                        batched_reductions=self.batched_reductions, chunk_prefetch=self.chunk_prefetch)
+                        batched_reductions=self.batched_reductions, chunk_prefetch=self.chunk_prefetch,
+                        fold_in_chunks=self.fold_in_chunks)
         return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
 
     @property
@@ -174,7 +189,7 @@ class VerifyPlan:
                 raise ValueError(f"VerifyPlan: the tensor-core form needs `value_chunk` >= 16 and `operand_parts` "
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
         else:
-            for name, default in (("batched_reductions", False), ("chunk_prefetch", True)):
+            for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False)):
                 if getattr(self, name) != default:
                     raise ValueError(f"VerifyPlan: `{name}` is a choice of the tensor-core form; this plan is the "
                                      "CUDA-core form (tensor_cores=False)")
@@ -188,7 +203,7 @@ def problem_of(call: VerifyCall, dims: VerifyDims, ring_layout: str) -> VerifyPr
     return VerifyProblem(dims.batch, dims.drafts, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim,
                          dims.ring_length, call.initial_state.dtype, call.d_cache.dtype, device.type,
                          _sm_count(device), ring_layout, call.parents is not None,
-                         bool(call.use_qk_l2norm_in_kernel), lb is not None, bounded)
+                         bool(call.use_qk_l2norm_in_kernel), lb is not None, bounded, call.mixed_qkv.dtype)
 
 
 def tensor_core_refusal(problem: VerifyProblem) -> str:
@@ -211,6 +226,14 @@ def _one_wave_tile(candidates: tuple[int, ...], full: int, pairs: int, V: int, w
     """The narrowest value tile of ``candidates`` (below ``full``) whose grid of ``pairs * ceil(V / tile)`` programs
     fits one wave of ``wave`` programs, else ``full``."""
     return next((c for c in candidates if c < full and pairs * -(-V // c) <= wave), full)
+
+
+def _fold_in_chunks(problem: VerifyProblem, value_tile: int, pairs: int, sms: int) -> bool:
+    """The tensor-core form's ``fold_in_chunks`` rule (:data:`MMA_FOLD_IN_CHUNKS_BF16_WAVES`)."""
+    if problem.state_dtype == torch.float32:
+        return True
+    one_tile = value_tile >= problem.value_dim
+    return one_tile and pairs <= MMA_FOLD_IN_CHUNKS_BF16_WAVES * MMA_PROGRAMS_PER_SM * sms
 
 
 @functools.lru_cache(maxsize=4096)
@@ -237,7 +260,7 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         mode = 2
     draft_block = max(2, 1 << (problem.drafts - 1).bit_length())
     mma = not why if tensor_cores is None else tensor_cores
-    parts = MMA_OPERAND_PARTS
+    parts = MMA_OPERAND_PARTS_FP32  # (the CUDA-core form has no parts)
     if mma:  # 4-warp programs of 32-row chunks; the narrowest value tile of at least a chunk whose grid fits one wave
         warps = MMA_WARPS
         if problem.device_type == "cuda":
@@ -246,13 +269,13 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
                 vt = _one_wave_tile((32, 64), full, pairs, V, MMA_BF16_STATE_WAVES * MMA_PROGRAMS_PER_SM * sms)
         vt = max(16, min(vt, full))
         chunk = min(vt, MMA_VALUE_CHUNK)
-        if problem.state_dtype == torch.bfloat16:
-            parts = MMA_OPERAND_PARTS_BF16_STATE
+        if problem.state_dtype != torch.float32 or problem.activation_dtype != torch.float32:
+            parts = MMA_OPERAND_PARTS
     else:
         warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=parts,
-        batched_reductions=mma,
+        batched_reductions=mma, fold_in_chunks=mma and _fold_in_chunks(problem, vt, pairs, sms),
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
