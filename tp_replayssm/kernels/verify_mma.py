@@ -165,7 +165,8 @@ def replayssm_verify_mma_kernel(
             anc = ancestry(pars, T)
             gam = path_sums(gates, anc, T)
             tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
-            decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, stored chunk by chunk
+            if fold_in_chunks:
+                decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, from each chunk
             drop = fold  # the drafts' rows overwrite committed ring rows (a fold or a rebase)
             emptied = cur * 0  # a rebase zeroes the committed deltas j < emptied
             if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
@@ -183,6 +184,7 @@ def replayssm_verify_mma_kernel(
             if prepass:  # the committed ring into the checkpoint first, S_c = (S0 + D^T Kt) * exp(tot), a rebase's
                 # committed deltas zeroed; the drafts then start from S_c at the ring's new base (no ring term,
                 # tot = 0)
+                decay = torch.exp(tot)
                 for fchunk in hl.grid(tv.begin, tv.end, fold_chunk):
                     frows = fchunk + hl.arange(fold_chunk)
                     flive = frows < tv.end
@@ -203,7 +205,9 @@ def replayssm_verify_mma_kernel(
                                      extra_mask=(lead < tv.end)[:, None])
                 tot = tot * 0.0
             ring_live = (j < torch.where(prepass, 0, cur)) & (j < ring_length)  # the entries the products read
-            g_base = torch.where(drop, 0.0, tot)  # the drafts' cumulative gates start here (0 from a new base)
+            g_base = tot  # the drafts' cumulative gates start here (0 from a new base)
+            if fold_in_chunks:
+                g_base = torch.where(drop, 0.0, tot)  # (a fold kept tot for its products)
             # the products' operands, transposed (the chunk's results come out as [N, Vc], a row per store) and
             # as bf16 parts: A^T [N, K] whose rows give every draft's delta and output (the forward substitution
             # over the drafts folded into them, verify_math.combination), W^T = A^T Kt^T [N, Lb] (zero after a
