@@ -58,7 +58,9 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
             else:
                 sig[name] = "i64"
         del call_args
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+        # the JIT specializes 16-divisible pointers and strides the same way on the GPU (as kernel_regs.py)
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if sig[n].startswith("*") or (sig[n] == "i64" and n[-2:] in ("_s", "_h", "_v", "_l"))}
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=1))
         if dump:

@@ -21,8 +21,8 @@ docs/spec.md):
   grid fills at most four waves;
 - in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
   fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
-  prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start, 157 registers per
-  thread instead of 255, were 8-14% slower) (docs/tuning.md, "The verify form");
+  prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start were 6-14% slower)
+  (docs/tuning.md, "The verify form");
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
@@ -57,8 +57,9 @@ MMA_OPERAND_PARTS = 2
 MMA_OPERAND_PARTS_FP32 = 3
 MMA_MAX_DRAFTS = 15
 # its programs: 4 warps over 32-row chunks (each warp an 8-column slice of the [N, 32] products; 16-row chunks made
-# every warp compute all of them), 2 resident per SM (255 registers per thread at K = 128, T = 4, no spills with a
-# bf16 checkpoint, 24 B with fp32; one warp spilled; sm_90, triton 3.6, benchmarks/spec_regs.py)
+# every warp compute all of them; one warp spilled). MMA_PROGRAMS_PER_SM is the wave rules' programs per SM, measured
+# as the rule on the H200 (docs/tuning.md); the programs take 114-142 registers per thread with a bf16 checkpoint,
+# 216 with fp32 and two parts, 255 with three, no spills (K = 128, T = 4; sm_90, triton 3.6, benchmarks/spec_regs.py)
 MMA_WARPS = 4
 MMA_VALUE_CHUNK = 32
 MMA_PROGRAMS_PER_SM = 2
@@ -126,7 +127,7 @@ class VerifyPlan:
     batched_reductions: bool = False  # tensor cores: the prologue's per-draft sums over K (norms, couplings, the
     # rebase test's minima) as one reduction over a tuple each (one barrier across the warps, not one per sum)
     chunk_prefetch: bool = True  # tensor cores: each chunk's loads issued during the previous chunk's math (False:
-    # at the chunk's start, ~100 fewer registers per thread at K = 128, so more programs per SM)
+    # at the chunk's start, fewer registers per thread)
     fold_in_chunks: bool = False  # tensor cores: a folding row's checkpoint rows stored from the chunk loop (the
     # drafts' products read the committed state as S0 and the ring, as a row that does not fold), not in a pass
     # over the tile before it
