@@ -27,6 +27,14 @@ REPO = Path(__file__).resolve().parents[1]
 _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.int32": "i32"}
 
 
+def jit_divisibility(arg_names: list[str], sig: dict[str, str]) -> dict[tuple[int], list]:
+    """The ``tt.divisibility`` attributes Triton's JIT gives a launch on the GPU: 16-byte-aligned pointers and the
+    strides (``*_s``, ``*_h``, ``*_v``, ``*_l``: multiples of 16 elements in the pool's tensors). A compile here
+    without them loads element by element and counts registers the device's code does not use."""
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(arg_names)
+            if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
+
+
 def example_call(plan: object, state: str = "fp32", heads: int = 8, batch: int = 64) -> tuple:
     """``(call, dims)``: random activations and zero caches for ``plan`` (``H = HV = heads``, K = V = 128, bf16
     activations and rings, ``batch`` slots), the inputs code generation needs (nothing runs)."""
@@ -112,9 +120,7 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
                 constexprs[(i,)] = int(re.search(rf"{name} = (\d+)", code).group(1))
             else:
                 sig[name] = "fp32" if name == "scale" else "i64"
-        # the JIT specializes 16-divisible pointers and strides the same way on the GPU
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
+        attrs = jit_divisibility(fn.arg_names, sig)
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=1,
                                                **({"maxnreg": maxnreg} if maxnreg else {})))

@@ -30,6 +30,7 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
     """Compile the Helion ``kernel`` bound to ``args`` (its config's code) for sm_90; resource usage."""
     import torch
     import triton
+    from kernel_regs import jit_divisibility
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -58,9 +59,7 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
             else:
                 sig[name] = "i64"
         del call_args
-        # the JIT specializes 16-divisible pointers and strides the same way on the GPU (as kernel_regs.py)
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if sig[n].startswith("*") or (sig[n] == "i64" and n[-2:] in ("_s", "_h", "_v", "_l"))}
+        attrs = jit_divisibility(fn.arg_names, sig)
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=warps, num_stages=1))
         if dump:

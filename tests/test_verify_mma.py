@@ -192,14 +192,18 @@ def test_mma_verify_plan_choices(choice: str) -> None:
     _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, **CHOICES[choice])
 
 
+# a verify problem on the H200 (132 SMs): HV32, K = V = 128, L = 16, T = 4, a chain, bf16 checkpoint and activations
+H200_HV32 = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
+                 state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
+                 ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
+                 activation_dtype=torch.bfloat16)
+
+
 def test_tensor_core_value_tiles_by_waves() -> None:
     """The tensor-core form's value tile on a 132-SM GPU (2 programs per SM): the narrowest of 32 / 64 rows whose grid
     fits one wave (264 programs); with a bf16 checkpoint, failing that, two waves (528); else all of V. HV32 at
     B = 1 / 4 / 8 / 32: 32 / 64 / 64 / 128 rows with a bf16 checkpoint, 32 / 64 / 128 / 128 with fp32."""
-    base = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
-                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
-                activation_dtype=torch.bfloat16)
+    base = dict(H200_HV32)
     for state, tiles in ((torch.bfloat16, (32, 64, 64, 128)), (torch.float32, (32, 64, 128, 128))):
         got = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
                for b in (1, 4, 8, 32)]
@@ -213,10 +217,7 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     """``VerifyPlan.batched_reductions``, ``chunk_prefetch`` and ``fold_in_chunks``: the library's values in its plans
     (the first two on in the tensor-core form; off, on and off in the CUDA-core form), constexprs of the tensor-core
     kernel when changed, refused (naming the field) on a CUDA-core plan."""
-    base = dict(batch=8, drafts=4, num_q_heads=2, num_v_heads=2, key_dim=128, value_dim=128, ring_length=16,
-                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
-                activation_dtype=torch.bfloat16)
+    base = {**H200_HV32, "batch": 8, "num_q_heads": 2, "num_v_heads": 2}
     problem = verify_plan.VerifyProblem(**base)
     plan = verify_plan.plan_verify(problem)
     assert plan.tensor_cores and plan.batched_reductions and plan.constexprs()["batched_reductions"] is True
@@ -237,10 +238,7 @@ def test_fold_in_chunks_rule() -> None:
     an fp32 checkpoint at every batch size; with bf16 where one value tile covers V and the grid fills at most four
     waves of two programs per SM (B = 32: 1024 programs), not at B = 128 (4096) nor with B = 8's 64-row tiles; a
     constexpr of the tensor-core kernel."""
-    base = dict(batch=1, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
-                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
-                activation_dtype=torch.bfloat16)
+    base = dict(H200_HV32)
     for state, want in ((torch.bfloat16, [False, False, True, False]), (torch.float32, [True] * 4)):
         plans = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
                  for b in (1, 8, 32, 128)]
@@ -299,10 +297,7 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
     """A bf16 or fp32 checkpoint on pre-decayed bf16 rings, power-of-two widths and at most 15 drafts takes the
     tensor-core form (the CUDA-core one on request); the sglang layout, fp32 rings and 16 drafts the CUDA-core one,
     with the reason; a plan that cannot run a call is refused; equal problems get the same plan object."""
-    base = dict(batch=32, drafts=4, num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, ring_length=16,
-                state_dtype=torch.bfloat16, cache_dtype=torch.bfloat16, device_type="cuda", sm_count=132,
-                ring_layout="predecayed", tree=False, use_l2norm=True, use_lower_bound=False, gate_bounded=False,
-                activation_dtype=torch.bfloat16)
+    base = {**H200_HV32, "batch": 32}
     plan = verify_plan.plan_verify(verify_plan.VerifyProblem(**base))
     assert verify_plan.plan_verify(verify_plan.VerifyProblem(**base)) is plan  # planned once per problem (host time)
     assert plan.tensor_cores and plan.num_warps == 4 and plan.value_chunk == 32 and plan.columns == 16

@@ -168,7 +168,6 @@ def replayssm_verify_mma_kernel(
             if fold_in_chunks:
                 decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, from each chunk
             drop = fold  # the drafts' rows overwrite committed ring rows (a fold or a rebase)
-            emptied = cur * 0  # a rebase zeroes the committed deltas j < emptied
             if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
                 low = min_log_decay(tot, gam, T, batched_reductions)
                 rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
@@ -176,7 +175,7 @@ def replayssm_verify_mma_kernel(
                     rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
                                                        dtype=torch.int32, is_pure=True, pack=1)
                 drop = drop | (rebase != 0)
-                emptied = torch.where(rebase != 0, cur, 0)
+                emptied = torch.where(rebase != 0, cur, 0)  # a rebase zeroes the committed deltas j < emptied
             if fold_in_chunks:  # a fold's checkpoint goes out from the chunk loop: a pass only for a rebase
                 prepass = drop & (fold == 0)
             else:
