@@ -26,8 +26,10 @@ _TRITON_DTYPE = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float
                  "torch.int64": "i64"}
 
 
-def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: str | None = None) -> dict[str, object]:
-    """Compile the Helion ``kernel`` bound to ``args`` (its config's code) for sm_90; resource usage."""
+def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: str | None = None,
+                 maxnreg: int | None = None) -> dict[str, object]:
+    """Compile the Helion ``kernel`` bound to ``args`` (its config's code) for sm_90 (``maxnreg``: ptxas's register
+    cap, as the launch passes it); resource usage."""
     import torch
     import triton
     from kernel_regs import jit_divisibility
@@ -61,7 +63,8 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
         del call_args
         attrs = jit_divisibility(fn.arg_names, sig)
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=1))
+                                  options=dict(num_warps=warps, num_stages=1,
+                                              **({"maxnreg": maxnreg} if maxnreg else {})))
         if dump:
             d = Path(dump)
             d.mkdir(parents=True, exist_ok=True)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.modules["candidate_verify_kernel"] = module
         spec.loader.exec_module(module)
         kernel = helion.kernel(getattr(module, kernel.fn.__name__), config=kernel.configs[0], **module._SETTINGS)
-    r = compile_sm90(kernel, kargs, plan.num_warps, "_helion_" + kernel.fn.__name__, args.dump)
+    r = compile_sm90(kernel, kargs, plan.num_warps, "_helion_" + kernel.fn.__name__, args.dump, plan.maxnreg)
     print(f"triton {triton.__version__}, {plan}: {r['regs']} registers/thread, {r['shared']} B shared, "
           f"{r['stack']} B stack (spills), {r['local']} B local")
 

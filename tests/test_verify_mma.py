@@ -214,9 +214,10 @@ def test_tensor_core_value_tiles_by_waves() -> None:
 
 
 def test_plan_choices_belong_to_the_tensor_core_form() -> None:
-    """``VerifyPlan.batched_reductions``, ``chunk_prefetch`` and ``fold_in_chunks``: the library's values in its plans
-    (the first two on in the tensor-core form; off, on and off in the CUDA-core form), constexprs of the tensor-core
-    kernel when changed, refused (naming the field) on a CUDA-core plan."""
+    """``VerifyPlan.batched_reductions``, ``chunk_prefetch``, ``fold_in_chunks`` and ``maxnreg``: the library's values
+    in its plans (the first two on in the tensor-core form; off, on, off and None in the CUDA-core form), constexprs of
+    the tensor-core kernel when changed (the cap a launch option), refused (naming the field) on a CUDA-core plan; a
+    cap outside ptxas's [24, 255] refused."""
     base = {**H200_HV32, "batch": 8, "num_q_heads": 2, "num_v_heads": 2}
     problem = verify_plan.VerifyProblem(**base)
     plan = verify_plan.plan_verify(problem)
@@ -227,23 +228,34 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     assert plan.chunk_prefetch and dataclasses.replace(plan, chunk_prefetch=False).constexprs()["chunk_prefetch"] is False
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
     assert not cuda_cores.batched_reductions and cuda_cores.chunk_prefetch
-    for change in (dict(batched_reductions=True), dict(chunk_prefetch=False), dict(fold_in_chunks=True)):
+    for change in (dict(batched_reductions=True), dict(chunk_prefetch=False), dict(fold_in_chunks=True),
+                   dict(maxnreg=128)):
         with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
             dataclasses.replace(cuda_cores, **change).check(problem)
     assert not cuda_cores.fold_in_chunks and "fold_in_chunks" not in cuda_cores.constexprs()
+    for cap in (0, 23, 256):  # a cap ptxas cannot take
+        with pytest.raises(ValueError, match=f"`maxnreg` must be None or in \\[24, 255\\]; got {cap}"):
+            dataclasses.replace(plan, maxnreg=cap).check(problem)
 
 
-def test_fold_in_chunks_rule() -> None:
-    """``VerifyPlan.fold_in_chunks`` (a fold's checkpoint rows stored from the chunk loop) on a 132-SM GPU, HV32: with
-    an fp32 checkpoint at every batch size; with bf16 where one value tile covers V and the grid fills at most four
-    waves of two programs per SM (B = 32: 1024 programs), not at B = 128 (4096) nor with B = 8's 64-row tiles; a
-    constexpr of the tensor-core kernel."""
+def test_fold_in_chunks_and_register_cap_rule() -> None:
+    """``VerifyPlan.fold_in_chunks`` (a fold's checkpoint rows stored from the chunk loop) and ``maxnreg`` on a
+    132-SM GPU, HV32, B = 1 / 8 / 32 / 128: with a bf16 checkpoint the chunk-loop fold and a 128-register cap
+    everywhere; with fp32 the chunk-loop fold where one value tile covers V (not B = 1's 32-row tiles) and a
+    168-register cap past four waves of two programs per SM (B = 128: 4096 programs; not B = 32's 1024). The CUDA-core
+    form and the interpreter (no registers) have no cap; the fold form is a constexpr of the tensor-core kernel."""
     base = dict(H200_HV32)
-    for state, want in ((torch.bfloat16, [False, False, True, False]), (torch.float32, [True] * 4)):
+    for state, folds, caps in ((torch.bfloat16, [True] * 4, [128] * 4),
+                               (torch.float32, [False, True, True, True], [None, None, None, 168])):
         plans = [verify_plan.plan_verify(verify_plan.VerifyProblem(**{**base, "batch": b, "state_dtype": state}))
                  for b in (1, 8, 32, 128)]
-        assert [p.fold_in_chunks for p in plans] == want, (state, [str(p) for p in plans])
-        assert [p.constexprs()["fold_in_chunks"] for p in plans] == want
+        assert [p.fold_in_chunks for p in plans] == folds, (state, [str(p) for p in plans])
+        assert [p.constexprs()["fold_in_chunks"] for p in plans] == folds
+        assert [p.maxnreg for p in plans] == caps, (state, [str(p) for p in plans])
+        assert all(f"maxnreg={c}" in str(p) for p, c in zip(plans, caps))
+    problem = verify_plan.VerifyProblem(**{**base, "batch": 32})
+    assert verify_plan.plan_verify(problem, tensor_cores=False).maxnreg is None
+    assert verify_plan.plan_verify(dataclasses.replace(problem, device_type="cpu")).maxnreg is None
 
 
 @on_cpu_machine

@@ -96,4 +96,5 @@ def launch_verify(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: S
     DIRECT_PLANS.launch(
         kernel, kernel.configs[0], lambda: verify_kernel_args(call, dims, plan, guard), _inputs(call, guard),
         call.mixed_qkv.device, (plan,),
-        {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)})
+        {"scale": scale, "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound)},
+        None if plan.maxnreg is None else {"maxnreg": plan.maxnreg})

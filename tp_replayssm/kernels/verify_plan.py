@@ -16,9 +16,10 @@ docs/spec.md):
   :data:`MMA_PROGRAMS_PER_SM` programs per SM (with a bf16 checkpoint, failing that, :data:`MMA_BF16_STATE_WAVES`
   waves), else all of ``V``; two bf16 parts per fp32 operand, three where both the checkpoint and the outputs
   are fp32;
-- in the tensor-core form, a fold's checkpoint rows stored from the chunk loop (``fold_in_chunks``,
-  :data:`MMA_FOLD_IN_CHUNKS_BF16_WAVES`) with an fp32 checkpoint, and with bf16 where one value tile covers V and the
-  grid fills at most four waves;
+- in the tensor-core form, a fold's checkpoint rows stored from the chunk loop (``fold_in_chunks``) with a bf16
+  checkpoint, and with fp32 where one value tile covers V; a register cap (``maxnreg``): :data:`MMA_BF16_STATE_MAXNREG`
+  with a bf16 checkpoint, :data:`MMA_FP32_STATE_MAXNREG` with fp32 where the grid passes :data:`MMA_FP32_CAP_WAVES`
+  waves;
 - in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
   fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
   prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start were 6-14% slower)
@@ -58,8 +59,9 @@ MMA_OPERAND_PARTS_FP32 = 3
 MMA_MAX_DRAFTS = 15
 # its programs: 4 warps over 32-row chunks (each warp an 8-column slice of the [N, 32] products; 16-row chunks made
 # every warp compute all of them; one warp spilled). MMA_PROGRAMS_PER_SM is the wave rules' programs per SM, measured
-# as the rule on the H200 (docs/tuning.md); the programs take 114-142 registers per thread with a bf16 checkpoint,
-# 216 with fp32 and two parts, 255 with three, no spills (K = 128, T = 4; sm_90, triton 3.6, benchmarks/spec_regs.py)
+# as the rule on the H200 (docs/tuning.md); uncapped, the programs take 114-142 registers per thread with a bf16
+# checkpoint, 216 with fp32 and two parts, 255 with three, no spills (K = 128, T = 4; sm_90, triton 3.6,
+# benchmarks/spec_regs.py); the register caps below raise the programs resident per SM
 MMA_WARPS = 4
 MMA_VALUE_CHUNK = 32
 MMA_PROGRAMS_PER_SM = 2
@@ -69,11 +71,18 @@ MMA_PROGRAMS_PER_SM = 2
 # docs/tuning.md, "The verify form")
 MMA_BF16_STATE_WAVES = 2
 # a folding row's checkpoint rows stored from the chunk loop (``fold_in_chunks``) rather than in a pass over the tile
-# before it: with an fp32 checkpoint always (HV32 on the H200: 14-22% faster verify + commit steps at B = 8 / 32 /
-# 128), with bf16 where the value tile is all of V and the grid is at most this many waves of
-# MMA_PROGRAMS_PER_SM programs (HV32 B32: 38.06 us against 40.14; B128, 16 waves: 124.04 against 122.62; B8 with
-# 64-row tiles: 18.92 against 15.86; docs/spec.md, "The fold")
-MMA_FOLD_IN_CHUNKS_BF16_WAVES = 4
+# before it, under a register cap. With a bf16 checkpoint always, capped at MMA_BF16_STATE_MAXNREG registers per
+# thread, 4 programs per SM (uncapped the chunk-loop form takes 138-140, 3 per SM; capped it keeps 16 B on the stack,
+# reloaded from L1 in the chunk loop). Verify + commit on the H200 against the uncapped plans before the cap (the
+# fold's pass, the chunk loop at HV32 B32): HV32 B1 / 8 / 32 / 128 6.76 / 14.97 / 35.47 / 118.01 us against 6.91 /
+# 15.75 / 38.29 / 123.02; HV8 B8 / 32 8.72 / 15.22 against 9.04 / 16.02. With an fp32 checkpoint where one value tile
+# covers V (B8 / 32 / 128: 14-22% faster than the pass; at B1, 32-row tiles, 7.95 us against the pass's 7.50), the
+# 216-register programs (2 per SM) capped at MMA_FP32_STATE_MAXNREG (3 per SM, 88 B on the stack) where the grid
+# passes MMA_FP32_CAP_WAVES waves of 2 per SM: B128 169.58 us against 175.99; B32 (3.9 waves) 52.47 against 52.22, B8
+# (one wave) 19.35 against 16.81 (docs/tuning.md, "The verify form")
+MMA_BF16_STATE_MAXNREG = 128
+MMA_FP32_STATE_MAXNREG = 168
+MMA_FP32_CAP_WAVES = 4
 # value rows per step of a folding program's pass over its tile: [16, K] tiles whatever the chunk loop's size, so
 # the rare fold keeps the registers of the every-step loop free (32-row fold steps spilled on sm_90)
 MMA_FOLD_CHUNK = 16
@@ -131,6 +140,7 @@ class VerifyPlan:
     fold_in_chunks: bool = False  # tensor cores: a folding row's checkpoint rows stored from the chunk loop (the
     # drafts' products read the committed state as S0 and the ring, as a row that does not fold), not in a pass
     # over the tile before it
+    maxnreg: int | None = None  # ptxas register cap per thread, a Triton launcher option beside the Helion config
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -186,11 +196,14 @@ class VerifyPlan:
             why = tensor_core_refusal(problem)
             if why:
                 raise ValueError(f"VerifyPlan: `tensor_cores` cannot run this call: {why}")
+            if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+                raise ValueError(f"VerifyPlan: `maxnreg` must be None or in [24, 255]; got {self.maxnreg}")
             if self.value_chunk < 16 or self.operand_parts not in (2, 3):
                 raise ValueError(f"VerifyPlan: the tensor-core form needs `value_chunk` >= 16 and `operand_parts` "
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
         else:
-            for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False)):
+            for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False),
+                                  ("maxnreg", None)):
                 if getattr(self, name) != default:
                     raise ValueError(f"VerifyPlan: `{name}` is a choice of the tensor-core form; this plan is the "
                                      "CUDA-core form (tensor_cores=False)")
@@ -229,12 +242,14 @@ def _one_wave_tile(candidates: tuple[int, ...], full: int, pairs: int, V: int, w
     return next((c for c in candidates if c < full and pairs * -(-V // c) <= wave), full)
 
 
-def _fold_in_chunks(problem: VerifyProblem, value_tile: int, pairs: int, sms: int) -> bool:
-    """The tensor-core form's ``fold_in_chunks`` rule (:data:`MMA_FOLD_IN_CHUNKS_BF16_WAVES`)."""
-    if problem.state_dtype == torch.float32:
-        return True
-    one_tile = value_tile >= problem.value_dim
-    return one_tile and pairs <= MMA_FOLD_IN_CHUNKS_BF16_WAVES * MMA_PROGRAMS_PER_SM * sms
+def _register_cap(problem: VerifyProblem, programs: int, sms: int) -> int | None:
+    """The tensor-core form's ``maxnreg`` (:data:`MMA_BF16_STATE_MAXNREG`, :data:`MMA_FP32_STATE_MAXNREG`); None on a
+    CPU (the interpreter has no registers)."""
+    if problem.device_type != "cuda":
+        return None
+    if problem.state_dtype != torch.float32:
+        return MMA_BF16_STATE_MAXNREG
+    return MMA_FP32_STATE_MAXNREG if programs > MMA_FP32_CAP_WAVES * MMA_PROGRAMS_PER_SM * sms else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -276,7 +291,9 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=parts,
-        batched_reductions=mma, fold_in_chunks=mma and _fold_in_chunks(problem, vt, pairs, sms),
+        batched_reductions=mma,
+        fold_in_chunks=mma and (problem.state_dtype != torch.float32 or vt >= V),
+        maxnreg=_register_cap(problem, pairs * -(-V // vt), sms) if mma else None,
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
         tile_readers=-(-V // vt),
         named_block=min(NAMED_BLOCK, max(16, 1 << (problem.batch - 1).bit_length())),
