@@ -21,12 +21,13 @@ from typing import NamedTuple
 import torch
 
 from .guard import SlotGuard
+from ..spec_validation import VerifyCall
 from ..validation import CALL_TENSORS, DecodeCall, DecodeDims
 from .decode import replayssm_decode_kernel
 from .direct import LaunchArgs, cache_strides, ordered_args
 from .plan import DecodePlan
 
-__all__ = ["CONV_INPUTS", "VECTORS_PER_LANE", "FusedConv", "decode_kernel_args", "no_flush", "rows_view",
+__all__ = ["CONV_INPUTS", "VECTORS_PER_LANE", "FusedConv", "decode_kernel_args", "no_flush", "rows_view", "state_args",
            "vector_tiles_view"]
 
 # 16-byte vectors of a checkpoint row per thread in the append loop's vector tiles (docs/tuning.md, vector tiles)
@@ -90,6 +91,28 @@ def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Te
     return rows.as_strided((ko, rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), rows.storage_offset())
 
 
+def state_args(call: DecodeCall | VerifyCall, HV: int, K: int) -> tuple[dict[str, tuple[torch.Tensor, str]],
+                                                                          dict[str, int]]:
+    """The arguments the decode and verify kernels take alike, by kernel parameter name, each with the call input it
+    views: ``A_log``, ``dt_bias2 [HV, K]`` and the checkpoint's and rings' row views (:func:`rows_view`); and the
+    caches' element strides (:func:`.direct.cache_strides`)."""
+    dt_bias = call.dt_bias
+    state_rows, st = rows_view(call.initial_state)
+    d_rows, dr = rows_view(call.d_cache)
+    k_rows, kr = rows_view(call.k_cache)
+    g_rows, gr = rows_view(call.g_cache)
+    tensors = {
+        "A_log": (call.A_log, "A_log"),
+        "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),
+                     "dt_bias"),
+        "state_rows": (state_rows, "initial_state"),
+        "d_rows": (d_rows, "d_cache"),
+        "k_rows": (k_rows, "k_cache"),
+        "g_rows": (g_rows, "g_cache"),
+    }
+    return tensors, cache_strides(st, dr, kr, gr)
+
+
 def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, scale: float,
                        force_flush: torch.Tensor, guard: SlotGuard, conv: FusedConv | None = None) -> LaunchArgs:
     """The kernel's arguments for a validated call (``force_flush``: the call's, or zeros when it passed None;
@@ -98,28 +121,20 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
     ``guard.errors`` and ``guard.code``, then (with ``conv``) :data:`CONV_INPUTS`. Without a conv the conv arguments
     are views of the call's tensors that the kernel never reads."""
     B, H, HV, K, V = dims.batch, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
-    mixed_qkv, a, dt_bias, out = call.mixed_qkv, call.a, call.dt_bias, call.out
+    mixed_qkv, a, out = call.mixed_qkv, call.a, call.out
     # one as_strided per view (a slice plus an unflatten costs twice the host time, which eager decode pays on
     # every call): q3/k3 [B, H, K] and v3 [B, HV, V] over mixed_qkv's columns, a3 [B, HV, K], out3 [B, HV, V]
     row, off = mixed_qkv.stride(0), mixed_qkv.storage_offset()
-    state_rows, st = rows_view(call.initial_state)
-    d_rows, dr = rows_view(call.d_cache)
-    k_rows, kr = rows_view(call.k_cache)
-    g_rows, gr = rows_view(call.g_cache)
+    common, strides = state_args(call, HV, K)
+    state_rows, k_rows = common["state_rows"][0], common["k_rows"][0]
     size = call.initial_state.element_size()
     tensors = {  # name -> (value, the call tensor it views)
+        **common,
         "q3": (mixed_qkv.as_strided((B, H, K), (row, K, 1), off), "mixed_qkv"),
         "k3": (mixed_qkv.as_strided((B, H, K), (row, K, 1), off + H * K), "mixed_qkv"),
         "v3": (mixed_qkv.as_strided((B, HV, V), (row, V, 1), off + 2 * H * K), "mixed_qkv"),
         "a3": (a if a.dim() == 3 else a.as_strided((B, HV, K), (a.stride(0), K, 1), a.storage_offset()), "a"),
         "b2": (call.b, "b"),
-        "A_log": (call.A_log, "A_log"),
-        "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),
-                     "dt_bias"),
-        "state_rows": (state_rows, "initial_state"),
-        "d_rows": (d_rows, "d_cache"),
-        "k_rows": (k_rows, "k_cache"),
-        "g_rows": (g_rows, "g_cache"),
         "state_vecs": (vector_tiles_view(state_rows, K, size), "initial_state"),
         "k_vecs": (vector_tiles_view(k_rows, K, size), "k_cache"),  # split as the checkpoint (ak's tiles)
         "out3": (out.as_strided((B, HV, V), (out.stride(0), out.stride(2), 1), out.storage_offset()), "out"),
@@ -131,7 +146,7 @@ def decode_kernel_args(call: DecodeCall, dims: DecodeDims, plan: DecodePlan, sca
     }
     values = {"scale": scale, "num_slots": dims.num_slots,
               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
-              **cache_strides(st, dr, kr, gr), **plan.constexprs()}
+              **strides, **plan.constexprs()}
     tensors["vpost3"] = (tensors["out3"][0].as_strided((B, HV, V), tensors["out3"][0].stride(),
                                                        tensors["out3"][0].storage_offset()), "out")
     if conv is None:  # (aliases, each a tensor object of its own: the direct launcher maps every argument object to

@@ -15,7 +15,7 @@ from .guard import SlotGuard
 from ..spec_validation import VerifyCall, VerifyDims
 from ..validation import resolve_scale
 from . import direct
-from .args import rows_view
+from .args import state_args
 from .verify import replayssm_verify_kernel
 from .verify_mma import replayssm_verify_mma_kernel
 from .verify_plan import VerifyPlan
@@ -50,29 +50,20 @@ def _inputs(call: VerifyCall, guard: SlotGuard) -> tuple[torch.Tensor, ...]:
 def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, guard: SlotGuard) -> direct.LaunchArgs:
     """The kernel's positional arguments for a validated call, with their sources in :data:`INPUTS`."""
     B, T, H, HV, K, V = dims.batch, dims.drafts, dims.num_q_heads, dims.num_v_heads, dims.key_dim, dims.value_dim
-    x, a, dt_bias = call.mixed_qkv, call.a, call.dt_bias
+    x, a = call.mixed_qkv, call.a
     if x.stride(-1) != 1:  # the column views below assume it (the caller's tensor is validated; this guards ours)
         raise ValueError(f"replayssm_verify: `mixed_qkv` must have a contiguous last dim; got strides {x.stride()}")
     s0, s1, off = x.stride(0), x.stride(1), x.storage_offset()
-    state_rows, st = rows_view(call.initial_state)
-    d_rows, dr = rows_view(call.d_cache)
-    k_rows, kr = rows_view(call.k_cache)
-    g_rows, gr = rows_view(call.g_cache)
+    common, strides = state_args(call, HV, K)
     inputs = _inputs(call, guard)
     tensors = {
+        **common,
         "q4": (x.as_strided((B, T, H, K), (s0, s1, K, 1), off), "mixed_qkv"),
         "k4": (x.as_strided((B, T, H, K), (s0, s1, K, 1), off + H * K), "mixed_qkv"),
         "v4": (x.as_strided((B, T, HV, V), (s0, s1, V, 1), off + 2 * H * K), "mixed_qkv"),
         "a4": (a if a.dim() == 4 else a.as_strided((B, T, HV, K), (a.stride(0), a.stride(1), K, 1),
                                                    a.storage_offset()), "a"),
         "b3": (call.b, "b"),
-        "A_log": (call.A_log, "A_log"),
-        "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),
-                     "dt_bias"),
-        "state_rows": (state_rows, "initial_state"),
-        "d_rows": (d_rows, "d_cache"),
-        "k_rows": (k_rows, "k_cache"),
-        "g_rows": (g_rows, "g_cache"),
         "out4": (call.out, "out"),
         "slots": (call.slots, "slots"),
         "cursors": (call.cursors, "cursors"),
@@ -85,7 +76,7 @@ def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, gua
     scale = resolve_scale(call.scale, K)
     values = {"scale": scale, "num_slots": dims.num_slots,
               "lower_bound": 0.0 if call.lower_bound is None else float(call.lower_bound),
-              **direct.cache_strides(st, dr, kr, gr), **plan.constexprs()}
+              **strides, **plan.constexprs()}
     return direct.ordered_args(_PARAMS[plan.tensor_cores], tensors, values, _SOURCE)
 
 
