@@ -8,6 +8,10 @@ spills) shows up before device time is spent. Use the H200's triton 3.6.0 (``./d
 
     ./dev.sh python benchmarks/spec_regs.py --batch 32 --heads 32 --state bf16 [--tree] [--layout sglang]
     ./dev.sh python benchmarks/spec_regs.py --commit
+
+``--dump DIR`` writes the generated Triton (``kernel.py``), its PTX, SASS and cubin; ``nvdisasm -g -c
+DIR/kernel.cubin`` (beside ``cuobjdump`` in the H200 triton's ``backends/nvidia/bin``) prints the SASS with the
+``kernel.py`` line each instruction came from, whose comments name the Helion source line.
 """
 
 from __future__ import annotations
@@ -75,9 +79,11 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
-        if dump:  # the SASS too, for benchmarks/sass_loops.py
+        if dump:  # the SASS too, for benchmarks/sass_loops.py, and the cubin (``nvdisasm -g`` maps its SASS to the
+            # lines of kernel.py)
             sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
             (Path(dump) / "kernel.sass").write_text(sass.stdout)
+            (Path(dump) / "kernel.cubin").write_bytes(compiled.asm["cubin"])
     m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
     res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
     res["shared"] = max(res["shared"], int(compiled.metadata.shared))
