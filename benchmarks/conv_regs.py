@@ -20,7 +20,6 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -47,9 +46,9 @@ def conv_resources(batch: int, tokens: int, channels: int, W: int, dtype: str = 
     import helion
     import torch
     import triton
+    from kernel_regs import compile_sm90_source, cubin_usage
     from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import BaseBackend
 
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import conv
@@ -106,28 +105,18 @@ def conv_resources(batch: int, tokens: int, channels: int, W: int, dtype: str = 
         for i, name in enumerate(fn.arg_names[len(launched["args"]):], start=len(launched["args"])):
             sig[name] = "constexpr"  # the block sizes: module constants of the generated code
             constexprs[(i,)] = int(re.search(rf"{name} = tl.constexpr\((\d+)\)", source).group(1))
-        compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=launched["options"]["num_warps"],
-                                               num_stages=launched["options"]["num_stages"]))
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
-        dump = os.environ.get("KERNEL_REGS_DUMP")
-        if dump:
-            Path(dump).mkdir(parents=True, exist_ok=True)
-            (Path(dump) / "conv_kernel.py").write_text(source)
-            for ext in ("ttgir", "ptx"):
-                (Path(dump) / f"conv_kernel.{ext}").write_text(compiled.asm[ext])
-            (Path(dump) / "conv_kernel.sass").write_text(sass)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage, re.S)
-    if m is None:
-        raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
-    regs, stack, shared = map(int, m.groups())
-    return dict(regs=regs, stack=stack, shared=max(shared, int(compiled.metadata.shared)), plan=str(plan),
-                triton=triton.__version__, sass=sass)
+        compiled = compile_sm90_source(fn, sig, constexprs, attrs, launched["options"]["num_warps"],
+                                       launched["options"]["num_stages"])
+    res, sass = cubin_usage(compiled, with_sass=True)
+    dump = os.environ.get("KERNEL_REGS_DUMP")
+    if dump:
+        Path(dump).mkdir(parents=True, exist_ok=True)
+        (Path(dump) / "conv_kernel.py").write_text(source)
+        for ext in ("ttgir", "ptx"):
+            (Path(dump) / f"conv_kernel.{ext}").write_text(compiled.asm[ext])
+        (Path(dump) / "conv_kernel.sass").write_text(sass)
+    return dict(regs=res["regs"], stack=res["stack"], shared=res["shared"], plan=str(plan), triton=triton.__version__,
+                sass=sass)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,9 +51,9 @@ def fork_resources(HV: int, *, K: int = 128, V: int = 128, L: int = 16, W: int =
         raise RuntimeError("fork_regs compiles real GPU code: unset TRITON_INTERPRET")
     import torch
     import triton
+    from kernel_regs import compile_sm90_source, cubin_usage
     from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend, GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import BaseBackend
 
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import fork as fk
@@ -91,28 +89,16 @@ def fork_resources(HV: int, *, K: int = 128, V: int = 128, L: int = 16, W: int =
             constexprs[(i,)] = value
         elif key == "D":
             attrs[(i,)] = [["tt.divisibility", 16]]
-    options = dict(num_warps=launch_kw["num_warps"], num_stages=launch_kw.get("num_stages", 1))
-    compiled = triton.compile(ASTSource(jit_fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True,
-                              check=True).stdout
+    compiled = compile_sm90_source(jit_fn, sig, constexprs, attrs, launch_kw["num_warps"],
+                                   launch_kw.get("num_stages", 1))
+    res, sass = cubin_usage(compiled, with_sass=True)
     if dump:
         d = Path(dump)
         d.mkdir(parents=True, exist_ok=True)
         (d / f"fork_hv{HV}_{state}.py").write_text(code)
         (d / f"fork_hv{HV}_{state}.ptx").write_text(compiled.asm["ptx"])
         (d / f"fork_hv{HV}_{state}.sass").write_text(sass)
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+)", usage, re.S)
-    if m is None:
-        raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
-    regs, stack, shared = map(int, m.groups())
-    return dict(regs=regs, stack=stack, shared=max(shared, int(compiled.metadata.shared)),
+    return dict(regs=res["regs"], stack=res["stack"], shared=res["shared"],
                 ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)), stg128=len(re.findall(r"\bSTG\.E\.128\b", sass)),
                 instructions=len(re.findall(r"/\*[0-9a-f]{4}\*/", sass)), plan=str(plan), triton=triton.__version__,
                 bytes_per_pair=fk.fork_bytes([g[0] for g in geometry], layers, 1),

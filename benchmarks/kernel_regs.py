@@ -35,6 +35,41 @@ def jit_divisibility(arg_names: list[str], sig: dict[str, str]) -> dict[tuple[in
             if sig[n].startswith("*") or n[-2:] in ("_s", "_h", "_v", "_l")}
 
 
+def compile_sm90_source(fn: object, sig: dict[str, str], constexprs: dict, attrs: dict, warps: int, stages: int = 1,
+                        maxnreg: int | None = None) -> object:
+    """Triton's sm_90 compile of the jitted function ``fn`` with signature ``sig``, ``constexprs`` and the
+    divisibility ``attrs`` a GPU launch would specialize (:func:`jit_divisibility`, or Triton's own specialization),
+    ``warps`` warps, ``stages`` pipeline stages and ``maxnreg`` the launch's register cap (None: none)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    options = dict(num_warps=warps, num_stages=stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def cubin_usage(compiled: object, with_sass: bool = False) -> tuple[dict[str, int], str | None]:
+    """``({"regs", "stack", "shared", "local"}, sass)`` of a :func:`compile_sm90_source` result, read from its cubin
+    with the ``cuobjdump`` in the triton wheel (``shared`` includes the dynamic shared memory; ``sass`` the
+    disassembly when ``with_sass``, else None). Spills show up as ``stack`` bytes per thread."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout if with_sass else None
+    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
+    if m is None:
+        raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
+    res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
+    res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
+    return res, sass
+
+
 def example_call(plan: object, state: str = "fp32", heads: int = 8, batch: int = 64) -> tuple:
     """``(call, dims)``: random activations and zero caches for ``plan`` (``H = HV = heads``, K = V = 128, bf16
     activations and rings, ``batch`` slots), the inputs code generation needs (nothing runs)."""
@@ -82,9 +117,6 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
         raise RuntimeError("kernel_regs compiles real GPU code: unset TRITON_INTERPRET")
     import helion
     import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     sys.path.insert(0, str(REPO))
     from tp_replayssm.kernels import decode
@@ -104,7 +136,7 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
     params = list(inspect.signature(kernel_fn).parameters)
     pointers = {name: "*" + _TRITON_DTYPE[str(arg.dtype)] for name, arg in zip(params, args)
                 if isinstance(arg, torch.Tensor)}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # (the generated module lives here until the compile is done)
         src = Path(tmp) / "gen_kernel.py"
         src.write_text(code)
         spec = importlib.util.spec_from_file_location("tp_replayssm_generated_kernel", src)
@@ -120,31 +152,17 @@ def kernel_resources(plan: object, state: str = "fp32", heads: int = 8, kernel_f
                 constexprs[(i,)] = int(re.search(rf"{name} = (\d+)", code).group(1))
             else:
                 sig[name] = "fp32" if name == "scale" else "i64"
-        attrs = jit_divisibility(fn.arg_names, sig)
-        compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=1,
-                                               **({"maxnreg": maxnreg} if maxnreg else {})))
+        compiled = compile_sm90_source(fn, sig, constexprs, jit_divisibility(fn.arg_names, sig), warps,
+                                       maxnreg=maxnreg)
         if os.environ.get("KERNEL_REGS_DUMP"):  # debugging aid: keep the generated code, PTX and SASS
             dump = Path(os.environ["KERNEL_REGS_DUMP"])
             dump.mkdir(parents=True, exist_ok=True)
             (dump / "kernel.py").write_text(code)
             for ext in ("ttgir", "ptx"):
                 (dump / f"kernel.{ext}").write_text(compiled.asm[ext])
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        sass = None
-        if os.environ.get("KERNEL_REGS_DUMP") or with_sass:
-            sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True).stdout
-        if os.environ.get("KERNEL_REGS_DUMP"):
-            (Path(os.environ["KERNEL_REGS_DUMP"]) / "kernel.sass").write_text(sass)
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
-    if m is None:
-        raise RuntimeError(f"no resource usage in cuobjdump output: {usage[:300]}")
-    res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
-    res["shared"] = max(res["shared"], int(compiled.metadata.shared))  # dynamic (pipeline buffers) included
+    res, sass = cubin_usage(compiled, with_sass=bool(os.environ.get("KERNEL_REGS_DUMP")) or with_sass)
+    if os.environ.get("KERNEL_REGS_DUMP"):
+        (Path(os.environ["KERNEL_REGS_DUMP"]) / "kernel.sass").write_text(sass)
     if with_sass:
         res["sass"] = sass
     if with_ptx:

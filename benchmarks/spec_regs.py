@@ -20,7 +20,6 @@ import argparse
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,22 +34,17 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
     """Compile the Helion ``kernel`` bound to ``args`` (its config's code) for sm_90 (``maxnreg``: ptxas's register
     cap, as the launch passes it); resource usage."""
     import torch
-    import triton
-    from kernel_regs import jit_divisibility
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from kernel_regs import compile_sm90_source, cubin_usage, jit_divisibility
 
     config = kernel.configs[0]
     code = kernel.bind(args).to_triton_code(config)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # (the generated module lives here until the compile is done)
         src = Path(tmp) / "gen_kernel.py"
         src.write_text(code)
         spec = importlib.util.spec_from_file_location("tp_replayssm_generated_spec_kernel", src)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, fn_name)
-        host = re.search(r"_launcher\(" + fn_name + r", [^,]+\),?\s*(.*)\)", code)
-        call_args = [a.strip() for a in host.group(1).split(",") if "=" not in a] if host else []
         by_name = dict(zip(kernel.fn.__code__.co_varnames, args))
         sig, constexprs = {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -64,29 +58,17 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
                 sig[name] = "fp32"
             else:
                 sig[name] = "i64"
-        del call_args
-        attrs = jit_divisibility(fn.arg_names, sig)
-        compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=warps, num_stages=1,
-                                              **({"maxnreg": maxnreg} if maxnreg else {})))
-        if dump:
-            d = Path(dump)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "kernel.py").write_text(code)
-            (d / "kernel.ptx").write_text(compiled.asm["ptx"])
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                               check=True).stdout
-        if dump:  # the SASS too, for benchmarks/sass_loops.py, and the cubin (``nvdisasm -g`` maps its SASS to the
-            # lines of kernel.py)
-            sass = subprocess.run([str(tool), "--dump-sass", str(cubin)], capture_output=True, text=True, check=True)
-            (Path(dump) / "kernel.sass").write_text(sass.stdout)
-            (Path(dump) / "kernel.cubin").write_bytes(compiled.asm["cubin"])
-    m = re.search(r"REG:(\d+).*?STACK:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", usage, re.S)
-    res = dict(zip(("regs", "stack", "shared", "local"), map(int, m.groups())))
-    res["shared"] = max(res["shared"], int(compiled.metadata.shared))
+        compiled = compile_sm90_source(fn, sig, constexprs, jit_divisibility(fn.arg_names, sig), warps,
+                                       maxnreg=maxnreg)
+    res, sass = cubin_usage(compiled, with_sass=bool(dump))
+    if dump:  # the code, PTX and SASS (for benchmarks/sass_loops.py), and the cubin (``nvdisasm -g`` maps its SASS
+        # to the lines of kernel.py)
+        d = Path(dump)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "kernel.py").write_text(code)
+        (d / "kernel.ptx").write_text(compiled.asm["ptx"])
+        (d / "kernel.sass").write_text(sass)
+        (d / "kernel.cubin").write_bytes(compiled.asm["cubin"])
     return res
 
 
