@@ -9,7 +9,7 @@ spills) shows up before device time is spent. Use the H200's triton 3.6.0 (``./d
     ./dev.sh python benchmarks/spec_regs.py --batch 32 --heads 32 --state bf16 [--tree] [--layout sglang]
     ./dev.sh python benchmarks/spec_regs.py --commit
 
-``--dump DIR`` writes the generated Triton (``kernel.py``), its PTX, SASS and cubin; ``nvdisasm -g -c
+``--dump DIR`` writes the generated Triton (``kernel.py``), its TTGIR (the layouts), PTX, SASS and cubin; ``nvdisasm -g -c
 DIR/kernel.cubin`` (beside ``cuobjdump`` in the H200 triton's ``backends/nvidia/bin``) prints the SASS with the
 ``kernel.py`` line each instruction came from, whose comments name the Helion source line.
 """
@@ -66,6 +66,7 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
         d = Path(dump)
         d.mkdir(parents=True, exist_ok=True)
         (d / "kernel.py").write_text(code)
+        (d / "kernel.ttgir").write_text(compiled.asm["ttgir"])
         (d / "kernel.ptx").write_text(compiled.asm["ptx"])
         (d / "kernel.sass").write_text(sass)
         (d / "kernel.cubin").write_bytes(compiled.asm["cubin"])

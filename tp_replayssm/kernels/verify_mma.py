@@ -25,12 +25,13 @@ Writes as the CUDA-core verify kernel (:mod:`.verify`, docs/spec.md): the output
 to the checkpoint, the committed deltas zeroed, ``G_{c-1} = 0``). A rebase, and a fold unless ``fold_in_chunks``,
 runs a pass over the value tile first and the drafts then start from ``S_c``; with ``fold_in_chunks`` a folding row's
 products are those of a row that does not fold (the committed state as ``S0`` and the ring) and each chunk stores
-its rows of ``S_c`` from the ``S0`` rows and deltas it holds (one more product per chunk). Per-head ring rows
-that other programs of the head read are written by the head's last program to pass its prologue (an acq_rel count
-in ``counters``, zero again after the launch). Slot safety as in the decode kernel, except that a refused row's
-programs run through (their cursor read as 0) with every store masked and zeros for outputs: the drafts' loads then
-go out before the slot's cursor and named count are known (a runtime branch on the verdict would need the drafts'
-lists carried into it, which Helion 1.5.0 cannot lower), so they no longer wait for the slot -> cursor chain.
+its rows of ``S_c`` from the ``S0`` rows and deltas it holds (one more product per chunk, accumulating onto the
+``S0`` rows). Per-head ring rows that other programs of the head read are written by the head's last program to pass
+its prologue (an acq_rel count in ``counters``, zero again after the launch); a head of one program writes them after
+a CTA barrier alone. Slot safety as in the decode kernel, except that a refused row's programs run through (their
+cursor read as 0) with every store masked and zeros for outputs: the drafts' loads then go out before the slot's
+cursor and named count are known (a runtime branch on the verdict would need the drafts' lists carried into it, which
+Helion 1.5.0 cannot lower), so they no longer wait for the slot -> cursor chain.
 """
 
 from __future__ import annotations
@@ -232,18 +233,24 @@ def replayssm_verify_mma_kernel(
                        * torch.exp(-g_store)).to(k_rows.dtype)
             g_at = s64 * gr_s + hv * gr_h + (base + tt) * gr_l
             k_at = s64 * kr_s + hv * kr_h + (base + tt) * kr_l
-            if drop:  # other programs of this head may still read the rows these overwrite (their prologue's
-                # keys and G_{c-1}): the last one past its prologue writes
+            if drop:  # the rows these overwrite were read in the prologue (keys, G_{c-1}) by this program's
+                # threads (a barrier) and, with more than one value tile, by the head's other programs: of those,
+                # the last one past its prologue writes (an acq_rel count); a head's only program writes at once
                 hl.inline_triton("tl.debug_barrier()", [], None)
-                seen = hl.atomic_add(counters, [s64 * (HV + H) + hv], 1, sem="acq_rel")
-                if seen == tile_readers - 1:
+                if tile_readers > 1:
+                    seen = hl.atomic_add(counters, [s64 * (HV + H) + hv], 1, sem="acq_rel")
+                    writer = seen == tile_readers - 1
+                else:
+                    writer = drop
+                if writer:
                     hl.store(g_rows, [g_at, slice(None)], g_store, extra_mask=tlive[:, None])
                     hl.store(k_rows, [k_at, slice(None)], k_store, extra_mask=tlive[:, None])
                     if predecayed_ring == 2:
                         if rebase != 0:
                             g_rows[s64 * gr_s + hv * gr_h + (cur - 1) * gr_l, :] = hl.zeros(
                                 [g_rows.size(1)], torch.float32)
-                    counters[s64 * (HV + H) + hv] = seen * 0
+                    if tile_readers > 1:
+                        counters[s64 * (HV + H) + hv] = seen * 0
             else:  # the drafts' rows lie beyond every committed one: nobody reads them in this launch
                 if tv.begin == 0:
                     mine = torch.where(ok, tlive, False)[:, None]  # (a refused row writes nothing)
@@ -288,7 +295,7 @@ def replayssm_verify_mma_kernel(
                 if fold_in_chunks:
                     if fold:  # the committed state's rows into the checkpoint; the products above read the same
                         # state, S0 and the committed ring unrounded, so the fold needs no pass of its own
-                        s_row = (s0.to(torch.float32) + hl.dot(d_cur.T, k_ring)) * decay[None, :]  # [Vc, K]
+                        s_row = hl.dot(d_cur.T, k_ring, acc=s0.to(torch.float32)) * decay[None, :]  # [Vc, K]
                         hl.store(state_rows, [st_base + rows * st_v, slice(None)], s_row.to(state_rows.dtype),
                                  extra_mask=live[:, None])
                 res = acc0 + acc1  # [N, Vc]: row t < T draft t's delta, row T + t its output

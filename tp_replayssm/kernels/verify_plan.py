@@ -72,14 +72,15 @@ MMA_PROGRAMS_PER_SM = 2
 MMA_BF16_STATE_WAVES = 2
 # a folding row's checkpoint rows stored from the chunk loop (``fold_in_chunks``) rather than in a pass over the tile
 # before it, under a register cap. With a bf16 checkpoint always, capped at MMA_BF16_STATE_MAXNREG registers per thread,
-# 4 programs per SM (uncapped the chunk-loop form takes 138-140, 3 per SM; capped it keeps 16 B on the stack, reloaded
-# in the chunk loop: three local loads per chunk). Verify + commit on the H200 against the uncapped plans before the cap
-# (the fold's pass, the chunk loop at HV32 B32): HV32 B1 / 8 / 32 / 128 6.76 / 14.97 / 35.47 / 118.01 us against 6.91 /
-# 15.75 / 38.29 / 123.02; HV8 B8 / 32 8.72 / 15.22 against 9.04 / 16.02. With an fp32 checkpoint where one value tile
-# covers V (B8 / 32 / 128: 14-22% faster than the pass; at B1, 32-row tiles, 7.95 us against the pass's 7.50), the
-# 216-register programs (2 per SM) capped at MMA_FP32_STATE_MAXNREG (3 per SM, 88 B on the stack) where the grid passes
-# MMA_FP32_CAP_WAVES waves of 2 per SM: B128 169.58 us against 175.99; B32 (3.9 waves) 52.47 against 52.22, B8 (one
-# wave) 19.35 against 16.81 (docs/tuning.md, "The verify form")
+# 4 programs per SM (uncapped the chunk-loop form takes 138-140, 3 per SM; capped it keeps nothing on the stack since
+# the fold's product accumulates onto the checkpoint rows). Verify + commit on the H200 against the uncapped plans
+# before the cap (the fold's pass, the chunk loop at HV32 B32): HV32 B1 / 8 / 32 / 128 6.76 / 14.97 / 35.47 / 118.01 us
+# against 6.91 / 15.75 / 38.29 / 123.02 (with that product form 14.68 / 34.45 / 115.08 at B8 / 32 / 128); HV8 B8 / 32
+# 8.72 / 15.22 against 9.04 / 16.02. With an fp32 checkpoint where one value tile covers V (B8 / 32 / 128: 14-22% faster
+# than the pass; at B1, 32-row tiles, 7.95 us against the pass's 7.50), the 216-register programs (2 per SM) capped at
+# MMA_FP32_STATE_MAXNREG (3 per SM, 88 B on the stack) where the grid passes MMA_FP32_CAP_WAVES waves of 2 per SM: B128
+# 169.58 us against 175.99; B32 (3.9 waves) 52.47 against 52.22, B8 (one wave) 19.35 against 16.81 (docs/tuning.md, "The
+# verify form")
 MMA_BF16_STATE_MAXNREG = 128
 MMA_FP32_STATE_MAXNREG = 168
 MMA_FP32_CAP_WAVES = 4
