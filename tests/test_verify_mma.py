@@ -95,6 +95,64 @@ def _case(pool: ReplaySSMStatePool, model: object, slots: list[int], T: int, gen
         assert torch.equal(getattr(pool, name)[:, unused], saved), f"{name} of the unused slot changed"
 
 
+def test_packed_row_views_address_the_cache_and_count_its_extent() -> None:
+    """``kernels.args.rows_view(t, packed=True)``: where the outer strides are multiples of the last dim (the pool's
+    caches) a ``[rows, last]`` view with strides ``(last, 1)``, the outer strides in rows and the tensor's extent as its
+    element count; row ``i*s0 + j*s1 + l*s2`` is ``t[i, j, l]`` in both forms; a padded cache (strides not multiples)
+    keeps the overlapping ``(1, 1)`` view."""
+    from tp_replayssm.kernels.args import rows_view
+
+    cache = torch.randn(3, 2, 5, 8)
+    padded = torch.randn(3, 2, 5, 11)[..., :8]
+    for t, unit in ((cache, 8), (padded, 1)):
+        view, (s0, s1, s2) = rows_view(t, packed=True)
+        assert view.stride() == (unit, 1) and view.shape[1] == 8
+        for i, j, l in ((0, 0, 0), (1, 1, 3), (2, 1, 4)):
+            assert torch.equal(view[i * s0 + j * s1 + l * s2], t[i, j, l])
+        assert rows_view(t)[0].stride() == (1, 1)  # the decode kernel's form is unchanged
+    assert rows_view(cache, packed=True)[0].numel() == cache.numel()
+    assert rows_view(cache)[0].numel() == 8 * (cache.numel() - 7)
+
+
+def _bound_index_dtype(num_slots: int) -> torch.dtype:
+    """The index dtype Helion binds the tensor-core verify kernel with for a pool of ``num_slots`` slots (HV = 2, K =
+    V = 32, fp32 checkpoint; nothing runs)."""
+    from tp_replayssm.kernels.guard import ERROR_WORDS, SlotGuard
+    from tp_replayssm.kernels.verify_args import verify_kernel_args
+    from tp_replayssm.spec_validation import VerifyCall, VerifyDims
+
+    B, T, H, HV, K, V, L, S = 2, 2, 2, 2, 32, 32, 8, num_slots
+    act = torch.bfloat16
+
+    def z(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype)
+
+    call = VerifyCall(z(B, T, 2 * H * K + HV * V, dtype=act), z(B, T, HV * K, dtype=act), z(B, T, HV, dtype=act),
+                      z(HV), z(HV * K), 0.1, z(S, HV, V, K), z(S, HV, L, V, dtype=act), z(S, HV, L, K, dtype=act),
+                      z(S, HV, L, K), z(B, T, HV, V, dtype=act), torch.arange(B, dtype=torch.int32),
+                      z(S + 1, dtype=torch.int32), None, z(S + 1, dtype=torch.int32),
+                      z(S + 1, HV + H, dtype=torch.int32), True, None)
+    problem = verify_plan.VerifyProblem(B, T, H, HV, K, V, L, torch.float32, act, "cuda", 132, "predecayed", False,
+                                        True, False, False, act)
+    plan = verify_plan.plan_verify(problem, tensor_cores=True)
+    guard = SlotGuard(z(ERROR_WORDS, dtype=torch.int32), z(1, dtype=torch.int32))
+    args = verify_kernel_args(call, VerifyDims(B, T, H, HV, K, V, L, S), plan, guard)
+    return plan.kernel.bind(args.values).env.index_dtype
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+def test_verify_offsets_are_int32_where_every_argument_fits() -> None:
+    """The tensor-core verify kernel indexes in int32 where every argument has fewer than 2^31 elements and in int64
+    past that (fake tensors: nothing is allocated). 40000 slots fit (82M checkpoint elements) only because the packed
+    row views count the caches' extent: the overlapping views would count 32 times that, 2.6G; a checkpoint of 2^31 +
+    2^17 elements does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        assert _bound_index_dtype(40000) == torch.int32
+        assert _bound_index_dtype(2**31 // (2 * 32 * 32) + 64) == torch.int64
+
+
 def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, lower_bound: float | None = None,
              activation_dtype: torch.dtype = torch.float32) -> verify_plan.VerifyProblem:
     lh = pool.local_heads

@@ -59,26 +59,34 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-def rows_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+def rows_view(t: torch.Tensor, packed: bool = False) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """The overlapping ``[span, last]`` view of a 4-D tensor with a contiguous last dim, and its outer strides.
+
+    With ``packed``, where every outer stride is a multiple of ``last`` (the pool's own caches), the rows do not
+    overlap: a ``[span / last, last]`` view with strides ``(last, 1)`` and the outer strides in rows. The kernel's
+    addressing is the same (row ``i*s0 + j*s1 + l*s2``), but the view's element count is the tensor's extent, not
+    ``last`` times it, so Helion can index it with int32 where every argument has fewer than 2^31 elements.
 
     Cached per tensor object (caches are the same tensors every step): the entry dies with the tensor and is rebuilt
     if its data pointer, shape or strides changed."""
-    key = id(t)
+    key = (id(t), packed)
     meta = (t.data_ptr(), t.shape, t.stride())
     hit = _ROWS_VIEWS.get(key)
     if hit is not None and hit[0]() is t and hit[1] == meta:
         return hit[2]
     s0, s1, s2, _ = t.stride()
+    last = t.shape[3]
+    unit = last if packed and all(s % last == 0 for s in (s0, s1, s2)) else 1
+    s0, s1, s2 = s0 // unit, s1 // unit, s2 // unit
     span = sum((n - 1) * s for n, s in zip(t.shape[:3], (s0, s1, s2))) + 1
     # from a detached alias, so the cached view does not keep the key tensor alive
-    view = t.detach().as_strided((span, t.shape[3]), (1, 1), t.storage_offset()), (s0, s1, s2)
+    view = t.detach().as_strided((span, last), (unit, 1), t.storage_offset()), (s0, s1, s2)
     _ROWS_VIEWS[key] = (weakref.ref(t, lambda _, key=key: _ROWS_VIEWS.pop(key, None)), meta, view)
     return view
 
 
-# id(tensor) -> (weakref to it, (data_ptr, shape, strides), (rows view, outer strides))
-_ROWS_VIEWS: dict[int, tuple] = {}
+# (id(tensor), packed) -> (weakref to it, (data_ptr, shape, strides), (rows view, outer strides))
+_ROWS_VIEWS: dict[tuple[int, bool], tuple] = {}
 
 
 def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Tensor:
@@ -91,16 +99,16 @@ def vector_tiles_view(rows: torch.Tensor, K: int, element_size: int) -> torch.Te
     return rows.as_strided((ko, rows.shape[0], ki, kv), (ki * kv, 1, kv, 1), rows.storage_offset())
 
 
-def state_args(call: DecodeCall | VerifyCall, HV: int, K: int) -> tuple[dict[str, tuple[torch.Tensor, str]],
-                                                                          dict[str, int]]:
+def state_args(call: DecodeCall | VerifyCall, HV: int, K: int, packed: bool = False
+               ) -> tuple[dict[str, tuple[torch.Tensor, str]], dict[str, int]]:
     """The arguments the decode and verify kernels take alike, by kernel parameter name, each with the call input it
-    views: ``A_log``, ``dt_bias2 [HV, K]`` and the checkpoint's and rings' row views (:func:`rows_view`); and the
-    caches' element strides (:func:`.direct.cache_strides`)."""
+    views: ``A_log``, ``dt_bias2 [HV, K]`` and the checkpoint's and rings' row views (:func:`rows_view`, ``packed``
+    as there); and the caches' strides in the views' rows (:func:`.direct.cache_strides`)."""
     dt_bias = call.dt_bias
-    state_rows, st = rows_view(call.initial_state)
-    d_rows, dr = rows_view(call.d_cache)
-    k_rows, kr = rows_view(call.k_cache)
-    g_rows, gr = rows_view(call.g_cache)
+    state_rows, st = rows_view(call.initial_state, packed)
+    d_rows, dr = rows_view(call.d_cache, packed)
+    k_rows, kr = rows_view(call.k_cache, packed)
+    g_rows, gr = rows_view(call.g_cache, packed)
     tensors = {
         "A_log": (call.A_log, "A_log"),
         "dt_bias2": (dt_bias if dt_bias.dim() == 2 else dt_bias.as_strided((HV, K), (K, 1), dt_bias.storage_offset()),

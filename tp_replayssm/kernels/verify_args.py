@@ -1,6 +1,7 @@
 """The verify kernels' arguments (views of the call's tensors, each tagged with the input it views) and its launch.
 
-Caches are passed as the decode kernel's overlapping row views (:func:`tp_replayssm.kernels.args.rows_view`); the
+Caches are passed as the decode kernel's row views (:func:`tp_replayssm.kernels.args.rows_view`; packed for the
+tensor-core form, whose offsets are then int32 where every argument has fewer than 2^31 elements); the
 activations as one ``as_strided`` view each (``q4``, ``k4 [B, T, H, K]``, ``v4 [B, T, HV, V]`` over ``mixed_qkv``'s
 columns, ``a4 [B, T, HV, K]``). The launch goes through the direct launcher (:mod:`.direct`) keyed by the plan.
 """
@@ -54,7 +55,7 @@ def verify_kernel_args(call: VerifyCall, dims: VerifyDims, plan: VerifyPlan, gua
     if x.stride(-1) != 1:  # the column views below assume it (the caller's tensor is validated; this guards ours)
         raise ValueError(f"replayssm_verify: `mixed_qkv` must have a contiguous last dim; got strides {x.stride()}")
     s0, s1, off = x.stride(0), x.stride(1), x.storage_offset()
-    common, strides = state_args(call, HV, K)
+    common, strides = state_args(call, HV, K, packed=plan.tensor_cores)
     inputs = _inputs(call, guard)
     tensors = {
         **common,

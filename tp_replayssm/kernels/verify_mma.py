@@ -321,8 +321,9 @@ def replayssm_verify_mma_kernel(
     return out4
 
 
-# int64 offsets for large pools
-_SETTINGS = dict(static_shapes=True, index_dtype=torch.int64)
+# offsets in int32 where every argument has fewer than 2^31 elements (the packed row views of kernels.args.rows_view
+# count the caches' extent), else int64 (Helion decides per bound argument set)
+_SETTINGS = dict(static_shapes=True, index_dtype=None)
 
 
 @functools.lru_cache(maxsize=None)
