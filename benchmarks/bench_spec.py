@@ -374,7 +374,10 @@ def main(argv: list[str] | None = None) -> int:
     bw = measure_copy_bandwidth(torch.device("cuda"), 1024)
     log.info("%s, copy bandwidth %.0f GB/s", props.name, bw["copy_gbps"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    import tp_replayssm
+
     meta = {"argv": sys.argv, "device": props.name, "copy_gbps": bw["copy_gbps"], "torch": torch.__version__,
+            "package": tp_replayssm.__file__,  # which checkout an A/B side timed (run_device_ab.sh)
             "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     for s in shapes(args):
         try:

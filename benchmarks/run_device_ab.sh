@@ -6,7 +6,9 @@
 #   env: SHAPES_BF16 / SHAPES_FP32 (HVxB lists for bench_pool_step), TEST_TIMEOUT (default 240 s), STEP_ARGS (the
 #   bench's form options, default "--both"; below B = 128 a one-layer cycle keeps the state in L2, so time small
 #   batches with "--forms decode" or "--layers 8 --forms fused,decode+advance": docs/pitfalls.md), ROUNDS (default 1:
-#   the sides alternate, one process each, per round)
+#   the sides alternate, one process each, per round). BENCH=spec times verify + commit instead
+#   (benchmarks/bench_spec.py, HV32, one process per side, shape and round): SPEC_RUNS, a list of "state:batch" (default
+#   "bf16:8 bf16:32 bf16:128 fp32:32 fp32:128"); each row's package path is printed from its json
 set -u
 source benchmarks/device_setup.sh || exit 1
 if [ -n "${TESTS:-}" ]; then
@@ -16,6 +18,21 @@ if [ -n "${TESTS:-}" ]; then
     -p no:cacheprovider $TESTS > "$OUT/gpu_tests.log" 2>&1
   echo "pytest rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | tail -n 25
   grep -s "^===== FAILED" "$OUT/gpu_failures.log"
+fi
+if [ "${BENCH:-step}" = spec ]; then
+  for round in $(seq 1 "${ROUNDS:-1}"); do
+    for run in ${SPEC_RUNS:-bf16:8 bf16:32 bf16:128 fp32:32 fp32:128}; do
+      for side in base new; do
+        if [ $side = base ]; then path=/tmp/site:$PWD/${BASE:?}:$PWD; else path=/tmp/site:$PWD; fi
+        out="$OUT/spec_${side}_${run/:/_b}_r$round"
+        PYTHONPATH=$path timeout 110 python3 benchmarks/bench_spec.py --batch "${run#*:}" --heads 32 \
+          --state "${run%%:*}" --rep-ms 50 --out "$out" 2>&1 | tail -n 1 | sed "s/^/$side r$round: /"
+        python3 -c "import json, sys; print('  package:', json.load(open(sys.argv[1]))['meta']['package'])" \
+          "$out/bench_spec.json" 2>/dev/null
+      done
+    done
+  done
+  exit 0
 fi
 bf16=${SHAPES_BF16:-8x1,32x1,8x8,32x8,8x32,8x128,32x128,8x512}
 fp32=${SHAPES_FP32:-8x8,32x128}
