@@ -74,9 +74,10 @@ def compile_sm90(kernel: object, args: tuple, warps: int, fn_name: str, dump: st
 
 
 def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, drafts: int, lower_bound: float | None,
-                   group: int = 1, override: str = "", activations: str = "bf16"):
-    """``(kernel, args, plan)`` of the verify kernel for a call of that shape (CPU tensors; nothing runs);
-    ``activations`` the dtype of ``mixed_qkv``, ``a``, ``b`` and the outputs."""
+                   group: int = 1, override: str = "", activations: str = "bf16", num_slots: int | None = None):
+    """``(kernel, args, plan)`` of the verify kernel for a call of that shape (CPU tensors, or fake ones under
+    ``FakeTensorMode``; nothing runs); ``activations`` the dtype of ``mixed_qkv``, ``a``, ``b`` and the outputs;
+    ``num_slots`` the pool's slots (default: ``batch``)."""
     import torch
 
     from tp_replayssm.kernels.verify_args import verify_kernel_args
@@ -89,7 +90,7 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     sdt, adt = dtypes[state], dtypes[activations]
     KH = HV if layout == "predecayed" else H
-    S = B
+    S = B if num_slots is None else num_slots
     call = VerifyCall(torch.zeros(B, T, 2 * H * K + HV * V, dtype=adt),
                       torch.zeros(B, T, HV * K, dtype=adt), torch.zeros(B, T, HV, dtype=adt),
                       torch.zeros(HV), torch.zeros(HV * K), 0.1, torch.zeros(S, HV, V, K, dtype=sdt),

@@ -115,42 +115,31 @@ def test_packed_row_views_address_the_cache_and_count_its_extent() -> None:
 
 
 def _bound_index_dtype(num_slots: int) -> torch.dtype:
-    """The index dtype Helion binds the tensor-core verify kernel with for a pool of ``num_slots`` slots (HV = 2, K =
-    V = 32, fp32 checkpoint; nothing runs)."""
-    from tp_replayssm.kernels.guard import ERROR_WORDS, SlotGuard
-    from tp_replayssm.kernels.verify_args import verify_kernel_args
-    from tp_replayssm.spec_validation import VerifyCall, VerifyDims
+    """The index dtype Helion binds the verify kernel with for a pool of ``num_slots`` slots (HV = 1, K = V = 128,
+    fp32 checkpoint, B = 2; ``benchmarks/spec_regs.verify_example``'s call, nothing runs); the plan is the
+    tensor-core form's."""
+    import sys
+    from pathlib import Path
 
-    B, T, H, HV, K, V, L, S = 2, 2, 2, 2, 32, 32, 8, num_slots
-    act = torch.bfloat16
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from spec_regs import verify_example
 
-    def z(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.zeros(*shape, dtype=dtype)
-
-    call = VerifyCall(z(B, T, 2 * H * K + HV * V, dtype=act), z(B, T, HV * K, dtype=act), z(B, T, HV, dtype=act),
-                      z(HV), z(HV * K), 0.1, z(S, HV, V, K), z(S, HV, L, V, dtype=act), z(S, HV, L, K, dtype=act),
-                      z(S, HV, L, K), z(B, T, HV, V, dtype=act), torch.arange(B, dtype=torch.int32),
-                      z(S + 1, dtype=torch.int32), None, z(S + 1, dtype=torch.int32),
-                      z(S + 1, HV + H, dtype=torch.int32), True, None)
-    problem = verify_plan.VerifyProblem(B, T, H, HV, K, V, L, torch.float32, act, "cuda", 132, "predecayed", False,
-                                        True, False, False, act)
-    plan = verify_plan.plan_verify(problem, tensor_cores=True)
-    guard = SlotGuard(z(ERROR_WORDS, dtype=torch.int32), z(1, dtype=torch.int32))
-    args = verify_kernel_args(call, VerifyDims(B, T, H, HV, K, V, L, S), plan, guard)
-    return plan.kernel.bind(args.values).env.index_dtype
+    kernel, args, plan = verify_example(2, 1, "fp32", "predecayed", False, 2, None, num_slots=num_slots)
+    assert plan.tensor_cores, str(plan)
+    return kernel.bind(args).env.index_dtype
 
 
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 def test_verify_offsets_are_int32_where_every_argument_fits() -> None:
     """The tensor-core verify kernel indexes in int32 where every argument has fewer than 2^31 elements and in int64
-    past that (fake tensors: nothing is allocated). 40000 slots fit (82M checkpoint elements) only because the packed
-    row views count the caches' extent: the overlapping views would count 32 times that, 2.6G; a checkpoint of 2^31 +
-    2^17 elements does not."""
+    past that (fake tensors: nothing is allocated). 40000 slots fit (655M checkpoint elements) only because the packed
+    row views count the caches' extent: the overlapping views would count 128 times that, 84G; a checkpoint of 2^31 +
+    2^20 elements does not."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         assert _bound_index_dtype(40000) == torch.int32
-        assert _bound_index_dtype(2**31 // (2 * 32 * 32) + 64) == torch.int64
+        assert _bound_index_dtype(2**31 // (128 * 128) + 64) == torch.int64
 
 
 def _problem(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, lower_bound: float | None = None,
