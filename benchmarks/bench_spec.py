@@ -2,7 +2,8 @@
 """Speculative decoding on one GPU: ``T`` draft tokens verified and committed against plain decode steps,
 graph-captured and averaged over every cursor phase.
 
-What it measures, per shape (one layer, K = V = 128, L = 16, bf16 rings and activations, the pool's default layout):
+What it measures, per shape (one layer, or a model step of ``--layers N``; K = V = 128, L = 16, bf16 rings and
+activations, the pool's default layout):
 
 - ``verify_us``: ``pool.verify`` of ``T`` drafts per row, then ``pool.commit`` (a chain; every row accepts
   ``--accept`` drafts each step, so the committed cursors walk ``c -> (0 if c + T > L-1 else c) + accept`` and the
@@ -13,6 +14,10 @@ What it measures, per shape (one layer, K = V = 128, L = 16, bf16 rings and acti
 - ``decode_us``: one decode step of the same rows with the cursor advance fused in (``pool.decode(...,
   advance=True)``, the library's step), timed the same way (its cursors walk the full cycle of ``L`` phases);
   ``decode_sep_us`` with the separate advance kernel.
+- ``--layers N`` (default 1): each step is a model step of ``N`` layers, as an engine runs it: ``N`` verifies then
+  ONE commit (it moves every layer's state), against ``N`` decodes with the advance fused into the last one (the
+  plain decodes before it); ``verify_us`` and ``decode_us`` are then per layer step (the model step's time / ``N``).
+  One layer charges a whole commit to one verify and the fused advance to every decode.
 - ``x1 = verify_us / decode_us`` (targets: <= 1.6 at B >= 32, <= 2.0 at B <= 8) and ``xT = verify_us / (T *
   decode_us)``: the verify step against the ``T`` decode steps it replaces.
 - ``floor_us``: the bytes a verify + commit step must move (:func:`verify_bytes`: the checkpoint read once, the
@@ -111,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--footprint-mb", type=float, default=0.0, help="bytes one replay touches (0: 4x the L2)")
     p.add_argument("--max-graph-steps", type=int, default=128)
+    p.add_argument("--layers", type=int, default=1,
+                   help="layers of a model step: N verifies then one commit, against N decodes (the last with the "
+                        "fused advance); times per layer step")
     p.add_argument("--rep-ms", type=float, default=300.0)
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -125,6 +133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batch, args.heads = "1,32", "32"
     if not 1 <= args.accept <= args.drafts < args.ring:
         p.error("need 1 <= --accept <= --drafts < --ring")
+    if args.layers < 1:
+        p.error(f"--layers must be >= 1; got {args.layers}")
+    if args.layers > 1 and "fla" in args.forms.split(","):
+        p.error("--forms fla times one layer (benchmarks/fla_spec.py); run it without --layers")
     return args
 
 
@@ -146,14 +158,14 @@ def form_flag(form: str) -> bool | None:
 
 
 def make_pool(shape: dict[str, Any], args: argparse.Namespace, n_sets: int, device: str) -> tuple[Any, list]:
-    """A one-layer pool of ``n_sets * B`` allocated slots with random checkpoints and full random rings, the rows'
-    cursors staggered over ``0 .. L-1``; the slot sets."""
+    """A pool of ``args.layers`` layers and ``n_sets * B`` allocated slots with random checkpoints and full random
+    rings, the rows' cursors staggered over ``0 .. L-1``; the slot sets."""
     from tp_replayssm import KDAHeads, ReplaySSMStatePool
     from tp_replayssm.reference import predecay_rings
 
     B, HV, L = shape["B"], shape["HV"], args.ring
     heads = KDAHeads(HV, HV, 128, 128)
-    pool = ReplaySSMStatePool(heads, num_layers=1, num_slots=n_sets * B, ring_length=L,
+    pool = ReplaySSMStatePool(heads, num_layers=args.layers, num_slots=n_sets * B, ring_length=L,
                               state_dtype=DTYPES[shape["state"]], ring_layout=args.layout, device=device)
     ids = pool.alloc(n_sets * B)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -164,8 +176,7 @@ def make_pool(shape: dict[str, Any], args: argparse.Namespace, n_sets: int, devi
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     g = -0.01 - 0.2 * torch.rand(pool.g_cache.shape, device=device, generator=gen)
     if pool.predecayed:
-        k, g = predecay_rings(k[0], g[0])
-        k, g = k[None], g[None]
+        k, g = (torch.stack(t) for t in zip(*(predecay_rings(k[i], g[i]) for i in range(pool.num_layers))))
     pool.k_cache.copy_(k)
     pool.g_cache.copy_(g)
     pool.cursors[:S].copy_(torch.arange(S, device=device, dtype=torch.int32) % L)
@@ -222,11 +233,35 @@ def kernel_times(step_fns: list) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:8])
 
 
+def model_step(pool: Any, layers: int, slots: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               params: Any, lower_bound: float | None, *, accepted: torch.Tensor | None = None,
+               plan: Any = None, fused: bool = True) -> list[torch.Tensor]:
+    """One model step of ``layers`` layers on ``pool``, as an engine runs it; the layers' outputs. With ``accepted``
+    ``[B]`` int32: a verify of the drafts ``x [B, T, D]`` (``a``, ``b`` likewise) in every layer (``plan``: the verify
+    plan), then ONE commit. Without: a decode of ``x [B, D]`` in every layer, the cursor advance fused into the last
+    (``fused``) or the separate advance after it."""
+    outs = []
+    for layer in range(layers):
+        if accepted is not None:
+            outs.append(pool.verify(layer, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=lower_bound,
+                                    plan=plan))
+        else:
+            outs.append(pool.decode(layer, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=lower_bound,
+                                    advance=fused and layer == layers - 1))
+    if accepted is not None:
+        pool.commit(slots, accepted)
+    elif not fused:
+        pool.advance(slots)
+    return outs
+
+
 def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, inputs: dict, plan: Any) -> float:
-    """One verify + commit on the GPU pool against the PyTorch reference on a CPU copy; the outputs' rel. error."""
+    """One verify + commit model step on the GPU pool against the PyTorch reference on a CPU copy; the outputs' rel.
+    error (the largest over the layers)."""
     from tp_replayssm import ReplaySSMStatePool
 
-    ref = ReplaySSMStatePool(pool.heads, num_layers=1, num_slots=pool.num_slots, ring_length=pool.ring_length,
+    ref = ReplaySSMStatePool(pool.heads, num_layers=pool.num_layers, num_slots=pool.num_slots,
+                             ring_length=pool.ring_length,
                              state_dtype=pool.state_dtype, ring_layout=pool.ring_layout, device="cpu")
     for name in ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors"):
         getattr(ref, name).copy_(getattr(pool, name))
@@ -234,13 +269,12 @@ def check_shape(pool: Any, sets: list, args: argparse.Namespace, params: Any, in
     slots = sets[0]
     x, a, b = (inputs[n][0] for n in ("x", "a", "b"))
     n = torch.full_like(slots, args.accept)
-    out = pool.verify(0, x, a, b, params.A_log, params.dt_bias, slots, lower_bound=args.lower_bound, plan=plan)
-    pool.commit(slots, n)
-    want = ref.verify(0, x.cpu(), a.cpu(), b.cpu(), params.A_log.cpu(), params.dt_bias.cpu(), slots.cpu(),
-                      lower_bound=args.lower_bound)
-    ref.commit(slots.cpu(), n.cpu())
+    outs = model_step(pool, pool.num_layers, slots, x, a, b, params, args.lower_bound, accepted=n, plan=plan)
+    cpu_params = type(params)(params.A_log.cpu(), params.dt_bias.cpu())
+    wants = model_step(ref, ref.num_layers, slots.cpu(), x.cpu(), a.cpu(), b.cpu(), cpu_params, args.lower_bound,
+                       accepted=n.cpu())
     pool.check()
-    err = float((out.float().cpu() - want.float()).norm() / want.float().norm())
+    err = max(float((out.float().cpu() - want.float()).norm() / want.float().norm()) for out, want in zip(outs, wants))
     if not torch.equal(pool.cursors.cpu(), ref.cursors):
         raise RuntimeError("commit: cursors differ from the reference")
     return err
@@ -255,10 +289,11 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
     B, HV, T, L = shape["B"], shape["HV"], args.drafts, args.ring
     sb = DTYPES[shape["state"]].itemsize
     model = verify_bytes(B, HV, HV, 128, 128, L, T, args.accept, sb, predecayed=args.layout == "predecayed")
-    per_set = B * HV * 128 * 128 * sb + B * HV * L * (128 * 2 * 2 + 128 * 4)
+    per_set = (B * HV * 128 * 128 * sb + B * HV * L * (128 * 2 * 2 + 128 * 4)) * args.layers
     target = args.footprint_mb * 2**20 if args.footprint_mb > 0 else 4 * l2
     n_sets = int(max(1, min(math.ceil(target / per_set), args.max_graph_steps)))
-    rec: dict[str, Any] = {**shape, "T": T, "L": L, "accept": args.accept, "n_sets": n_sets, **model}
+    rec: dict[str, Any] = {**shape, "T": T, "L": L, "accept": args.accept, "layers": args.layers, "n_sets": n_sets,
+                           **model}
     pool, sets = make_pool(shape, args, n_sets, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(args.seed + 1)
     params = random_head_params(HV, 128, device="cuda")
@@ -295,13 +330,12 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
     def verify_step(i: int):  # noqa: ANN202
         def fn() -> None:
             j = i % n_in
-            pool.verify(0, inputs["x"][j], inputs["a"][j], inputs["b"][j], params.A_log, params.dt_bias, sets[i],
-                        lower_bound=lb, plan=plan)
-            pool.commit(sets[i], accepted)
+            model_step(pool, args.layers, sets[i], inputs["x"][j], inputs["a"][j], inputs["b"][j], params, lb,
+                       accepted=accepted, plan=plan)
         return fn
 
     rec["kernel_us"] = kernel_times([verify_step(i) for i in range(min(n_sets, 2 * period))])
-    rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period)
+    rec["verify_us"] = graph_us([verify_step(i) for i in range(n_sets)], args.rep_ms, period) / args.layers
     return decode_and_ratios(rec, pool, sets, inputs, params, args, shape, n_sets, model, gbps)
 
 
@@ -315,16 +349,14 @@ def decode_and_ratios(rec: dict[str, Any], pool: Any, sets: list, inputs: dict, 
     def decode_step(i: int, fused: bool):  # noqa: ANN202
         def fn() -> None:
             j = i % n_in
-            pool.decode(0, inputs["x1"][j], inputs["a1"][j], inputs["b1"][j], params.A_log, params.dt_bias, sets[i],
-                        lower_bound=args.lower_bound, advance=fused)
-            if not fused:
-                pool.advance(sets[i])
+            model_step(pool, args.layers, sets[i], inputs["x1"][j], inputs["a1"][j], inputs["b1"][j], params,
+                       args.lower_bound, fused=fused)
         return fn
 
     key = (B, HV, shape["state"])  # the decode step is the same for every verify form: timed once per shape
     if key not in _DECODE_US:
-        _DECODE_US[key] = (graph_us([decode_step(i, True) for i in range(n_sets)], args.rep_ms, L),
-                           graph_us([decode_step(i, False) for i in range(n_sets)], args.rep_ms, L))
+        _DECODE_US[key] = (graph_us([decode_step(i, True) for i in range(n_sets)], args.rep_ms, L) / args.layers,
+                           graph_us([decode_step(i, False) for i in range(n_sets)], args.rep_ms, L) / args.layers)
     rec["decode_us"], rec["decode_sep_us"] = _DECODE_US[key]
     rec["x1"] = rec["verify_us"] / rec["decode_us"]
     rec["xT"] = rec["verify_us"] / (T * rec["decode_us"])
@@ -349,7 +381,8 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
                      f"{r['decode_us']:>7.2f} "
                      f"{r['x1']:>5.2f} {'<=' + str(target):>6}{ok:>5} {r['xT']:>5.2f} {r['floor_us']:>7.2f} "
                      f"{r['pct_floor']:>5.0f}% {r['check_rel_err']:>8.1e}"
-                     + (" " + ",".join(f"{k}={v}" for k, v in r["override"].items()) if r.get("override") else ""))
+                     + (" " + ",".join(f"{k}={v}" for k, v in r["override"].items()) if r.get("override") else "")
+                     + (f" ({r['layers']} layers: us per layer step)" if r.get("layers", 1) > 1 else ""))
     return lines
 
 

@@ -101,3 +101,47 @@ except ValueError as e:
                           timeout=560)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("ok ") == 2 and "refused" in proc.stdout, proc.stdout
+
+
+def test_model_step_verifies_every_layer_then_commits_once() -> None:
+    """``--layers``' model step on a CPU pool of 2 layers: a verify step gives each layer's outputs (the second layer
+    verified from its own state) and moves the cursors once, by the accepted drafts; a decode step advances them once
+    (fused into the last layer or the separate advance), both decode forms leaving the same state."""
+    import copy
+
+    import torch
+
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool
+    from tp_replayssm.testing import random_head_params
+
+    torch.manual_seed(0)
+    H, K, B, T, L = 2, 16, 3, 3, 8
+    D = 3 * H * K
+    pool = ReplaySSMStatePool(KDAHeads(H, H, K, K), num_layers=2, num_slots=4, ring_length=L, device="cpu")
+    slots = pool.alloc(B).to(torch.int32)
+    params = random_head_params(H, K)
+    pool.checkpoint.copy_(0.1 * torch.randn(pool.checkpoint.shape))
+    twin = copy.deepcopy(pool)
+    x1, a1, b1 = torch.randn(B, D), torch.randn(B, H * K), torch.randn(B, H)
+    outs = bench_spec.model_step(pool, 2, slots, x1, a1, b1, params, None, fused=True)
+    twin_outs = bench_spec.model_step(twin, 2, slots, x1, a1, b1, params, None, fused=False)
+    assert len(outs) == 2 and not torch.equal(outs[0], outs[1])  # each layer from its own checkpoint
+    for got, want in zip(outs, twin_outs):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name in ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors"):
+        assert torch.equal(getattr(pool, name), getattr(twin, name)), name
+    assert pool.cursors[slots.long()].tolist() == [1] * B  # one advance for the model step, not one per layer
+    x, a, b = torch.randn(B, T, D), torch.randn(B, T, H * K), torch.randn(B, T, H)
+    accepted = torch.tensor([0, 2, 3], dtype=torch.int32)
+    spec_outs = bench_spec.model_step(pool, 2, slots, x, a, b, params, None, accepted=accepted)
+    assert [tuple(o.shape) for o in spec_outs] == [(B, T, H, K)] * 2 and not torch.equal(spec_outs[0], spec_outs[1])
+    assert pool.cursors[slots.long()].tolist() == [1, 3, 4]  # one commit: cursor + accepted
+    pool.check()
+
+
+def test_layers_option_is_checked() -> None:
+    assert bench_spec.parse_args(["--layers", "8"]).layers == 8
+    with pytest.raises(SystemExit):
+        bench_spec.parse_args(["--layers", "0"])
+    with pytest.raises(SystemExit):
+        bench_spec.parse_args(["--layers", "2", "--forms", "fla"])
