@@ -160,6 +160,24 @@ def test_early_qk_in_the_fused_advance_matches_decode_then_advance_bitwise(monke
     assert set(seen) == {(0, False, False), (6, True, True)}, seen
 
 
+@pytest.mark.parametrize("predecayed, A_log_shift, tiny", [(True, 4.5, False), (False, 0.0, True)],
+                         ids=["predecayed-rebasing-batch-path", "sglang-layout-tiny-path"])
+def test_pinned_loads_match_the_library_plans_bitwise(predecayed: bool, A_log_shift: float, tiny: bool,
+                                                      monkeypatch: pytest.MonkeyPatch, interpreter: None) -> None:
+    """``DecodePlan.pinned_loads`` (the row's loads kept above the slot's verdict branch: the gate's parameters load
+    beside the row's inputs, and the refused path holds a store of them that never runs) changes no result: the
+    plain decode and the fused advance with it against the same plans without it, bit for bit (outputs, caches,
+    cursors over every cursor phase, flushes, forced flushes, a padding row); checked to reach the kernel."""
+    seen = record_kernel_args(monkeypatch, "advance_cursors", "pinned_loads")
+    kw = dict(B=3, H=1, HV=3, K=16, V=64, L=3, S=5, steps=4, predecayed=predecayed, state_dtype=torch.bfloat16,
+              A_log_shift=A_log_shift, tiny=tiny)
+    base = _run_steps(**kw)
+    pinned = _run_steps(**kw, separate_edits=dict(pinned_loads=True), fused_edits=dict(pinned_loads=True))
+    _assert_same(base[0], pinned[0], 5, 3)
+    _assert_same(base[1], pinned[1], 5, 3)
+    assert {(0, True), (6, True), (0, False), (6, False)} <= set(seen), seen
+
+
 def test_cursor_readers_counts_programs_per_row_and_refuses_overflow() -> None:
     problem = _problem(DecodeDims(8, 16, 32, 128, 128, 16, 64), device=torch.device("cuda", 0))
     assert cursor_readers(problem, 32) == 32 * 4

@@ -199,3 +199,37 @@ print("RESULT " + json.dumps({"triton": triton.__version__, "ptx": len(compiled.
 """
     out = _run_with_h200_triton(script)
     assert out["triton"] == "3.6.0" and out["ptx"] > 1000, out
+
+
+PINNED_SCRIPT = """
+import dataclasses, json, re
+from benchmarks.kernel_regs import kernel_resources
+from benchmarks.plan_args import build_plan
+from benchmarks.sass_loops import parse
+plan = build_plan(batch=1, heads=32, state="bf16", layout="predecayed", cursor_table=True)
+rows = {}
+for pinned in (False, True):
+    r = kernel_resources(dataclasses.replace(plan, pinned_loads=pinned), "bf16", 32, with_sass=True)
+    ins = [t for _, t in parse(r.pop("sass"))]
+    # the verdict's branch: the first conditional branch after the named count's broadcast from lane 0
+    shfl = next(i for i, t in enumerate(ins) if "SHFL.IDX" in t and "RZ, 0x1f" in t)
+    branch = next(i for i in range(shfl, len(ins)) if re.search(r"@!?P\\d+ BRA", ins[i]))
+    rows[str(pinned)] = dict(before=sum("LDG" in t for t in ins[:branch]), loads=sum("LDG" in t for t in ins),
+                             stack=r["stack"])
+print("RESULT " + json.dumps(dict(plan=str(plan), rows=rows)))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_pinned_loads_issue_the_rows_loads_before_the_verdict() -> None:
+    """ptxas sinks a load whose uses all lie in the slot's verdict branch into it, so that the first checkpoint
+    chunk, the last gate row and the row's inputs wait for the named count and the cursor (sm_90, triton 3.6: the
+    pool's plain decode at HV32 B1 bf16, one-warp programs). ``DecodePlan.pinned_loads`` issues them before the
+    branch: 14 more global loads ahead of it (the chunk's 8, the gate row, ``a``, ``b``, the forced-flush flag and the
+    gate's two parameters; the same loads in all), and no spill (8 B of stack without it)."""
+    found = _run_with_h200_triton(PINNED_SCRIPT)
+    lib, pinned = found["rows"]["False"], found["rows"]["True"]
+    assert "vector_tiles=2" in found["plan"] and "num_warps=1" in found["plan"], found["plan"]
+    assert pinned["before"] >= lib["before"] + 14, found["rows"]
+    assert pinned["loads"] == lib["loads"], found["rows"]  # the same loads, in another place
+    assert pinned["stack"] == 0, found["rows"]

@@ -220,3 +220,26 @@ def test_graph_replay_with_a_bad_row_keeps_running_and_reports(layout: str) -> N
         assert torch.equal(getattr(pool, name), getattr(twin, name)), name
     with pytest.raises(SlotError, match="row 1 slot 5"):
         pool.check()
+
+
+@pytest.mark.parametrize("how,layout,state", [("decode", "predecayed", "bf16"), ("fused", "sglang", "fp32")])
+def test_pinned_loads_refuse_bad_slots_in_the_interpreter(how: str, layout: str, state: str, interpreter: None,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode kernel with ``DecodePlan.pinned_loads`` (the row's loads kept above the slot's verdict branch by a
+    use on the refused path, in a store that never runs) edited into the pool's plans: the call with every kind of
+    bad row at once, as above; checked to reach the kernel."""
+    import dataclasses
+
+    from _decode_scenario import record_kernel_args
+    from tp_replayssm.kernels import launch
+
+    library_plan = launch.plan_for
+    monkeypatch.setattr(launch, "plan_for", lambda *a, **kw: dataclasses.replace(library_plan(*a, **kw),
+                                                                                 pinned_loads=True))
+    seen = record_kernel_args(monkeypatch, "pinned_loads")
+    BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
+    try:
+        _run_case(layout, how, "all", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
+    finally:
+        del BAD["all"]
+    assert seen and all(pinned for (pinned,) in seen), seen

@@ -8,7 +8,8 @@ checkpoint: the state is never materialized on the every-step path (``S' @ k = S
 The constexprs say what the launch is (:class:`tp_replayssm.kernels.plan.DecodePlan` sets every one of them):
 ``predecayed_ring`` the ring layout and its rebase form, ``cursors_by_slot`` per-row cursors (the op) or the pool's
 cursor table, ``advance_cursors`` the fused cursor advance (``late_count``: its reader count after the row's loads),
-``tiny_batch`` the latency path, ``chunks_on_tensor_cores`` and ``vector_tiles`` the chunk loop's form. Caches
+``early_qk`` and ``pinned_loads`` what goes out before the slot's verdict, ``tiny_batch`` the latency path,
+``chunks_on_tensor_cores`` and ``vector_tiles`` the chunk loop's form. Caches
 arrive as overlapping row views with element strides (:mod:`tp_replayssm.kernels.args`), so any strides with a
 contiguous last dim work without copies; offsets are int64.
 """
@@ -79,6 +80,7 @@ def replayssm_decode_kernel(
     cw_i: hl.constexpr = 0,
     late_count: hl.constexpr = False,  # the fused advance's reader count after the row's loads (plan.late_count_rule)
     early_qk: hl.constexpr = False,  # q, k (fused_conv: the conv) loaded, computed before the verdict (plan)
+    pinned_loads: hl.constexpr = False,  # the row's loads kept above the verdict's branch (DecodePlan.pinned_loads)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -197,6 +199,9 @@ def replayssm_decode_kernel(
             else:
                 k_ring = hl.load(k_rows, [s64 * kr_s + kh * kr_h + j * kr_l, slice(None)],
                                  extra_mask=ring_mask[:, None])
+            if pinned_loads:  # the gate's parameters beside the row's inputs (kept above the branch: see below)
+                dt_row = dt_bias2[hv, :]
+                a_log = A_log[hv]
             if ok:
                 if fused_conv and early_qk:  # the conv's stores (its loads and math above)
                     shifted, to_col = conv_stores(conv_rows, q3, out3, row, h, hv, tv, H, V, kk, ci, cv_row, cv_d,
@@ -233,8 +238,11 @@ def replayssm_decode_kernel(
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
                 if not tiny_batch and not late_count and not early_qk:
                     a_in = a3[row, hv, :]
-                x = a_in.to(torch.float32) + dt_bias2[hv, :]
-                g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
+                if pinned_loads:
+                    g = gate_math(a_in.to(torch.float32) + dt_row, a_log, lower_bound, use_lower_bound)
+                else:
+                    x = a_in.to(torch.float32) + dt_bias2[hv, :]
+                    g = gate_math(x, A_log[hv], lower_bound, use_lower_bound)
                 if not tiny_batch and not late_count and not early_qk:
                     b_in = b2[row, hv]
                 beta = torch.sigmoid(b_in.to(torch.float32))
@@ -405,6 +413,22 @@ def replayssm_decode_kernel(
                             conv_counters[s64 * H + h] = seen * 0
             else:  # a refused row: a padding row, recorded once per row (value head 0, first value tile)
                 out3[row, hv, tv] = hl.zeros([tv], dtype=out3.dtype)
+                if pinned_loads:  # a use of the row's loads on this path too, in a store that never runs (no pool
+                    # has a negative slot count): ptxas otherwise sinks loads whose only uses lie in the verdict's
+                    # branch into it, after the count and the cursor (docs/pitfalls.md: a load used only inside a
+                    # branch is issued inside it)
+                    if num_slots < 0:
+                        kept = torch.sum(dt_row, dim=0) + a_log + forced
+                        if vector_tiles:  # [Ko, Vc, Ki, kv]
+                            s_sum = torch.sum(torch.sum(S_next.to(torch.float32), dim=3), dim=2)
+                            kept = kept + torch.sum(torch.sum(s_sum, dim=1), dim=0)
+                        elif not mma_chunks:  # [Vc, K]
+                            kept = kept + torch.sum(torch.sum(S_next.to(torch.float32), dim=1), dim=0)
+                        if predecayed_ring:
+                            kept = kept + torch.sum(g_last, dim=0)
+                        if tiny_batch or early_qk:
+                            kept = kept + torch.sum(a_in.to(torch.float32), dim=0) + b_in.to(torch.float32)
+                        slot_errors[3] = kept.to(torch.int32)
                 if late_count:  # it reads the word too: the last reader stores the cursor as it was, count cleared
                     counted = hl.atomic_add(write_pos, [s64], torch.where(in_range, 65536, 0))
                     if in_range & (((counted >> 16) & 65535) >= advance_cursors * named - 1):

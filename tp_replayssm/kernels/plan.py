@@ -125,6 +125,9 @@ class DecodePlan:
     early_qk: bool = False  # the decode loads q and k beside the slot and normalizes them while the cursor loads,
     # not after the slot's verdict (with fused_conv: the conv's windows, inputs and taps, and its math); see
     # early_qk_rule
+    pinned_loads: bool = False  # the row's loads (first checkpoint chunk, last gate row, inputs, the gate's
+    # parameters) kept above the slot's verdict branch, which ptxas otherwise sinks them into: a plan edit, not yet
+    # timed, so no rule sets it (docs/tuning.md, "Slot checks")
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -143,7 +146,7 @@ class DecodePlan:
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
                     on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers,
-                    late_count=self.late_count, early_qk=self.early_qk)
+                    late_count=self.late_count, early_qk=self.early_qk, pinned_loads=self.pinned_loads)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -172,9 +175,10 @@ class DecodePlan:
         if self.late_count and self.on_gpu and self.num_warps != 1:  # docs/kernel_design.md, the fused advance
             raise ValueError(f"DecodePlan: `late_count` needs one-warp programs on a GPU (a warp's cursor load must "
                              f"return before its count); got num_warps={self.num_warps}")
-        if self.early_qk and self.evict_state_first:
-            raise ValueError("DecodePlan: `early_qk` needs no evict_state_first (whose load positions it would "
-                             f"move); got {self}")
+        for name in ("early_qk", "pinned_loads"):
+            if getattr(self, name) and self.evict_state_first:
+                raise ValueError(f"DecodePlan: `{name}` needs no evict_state_first (whose load positions it would "
+                                 f"move); got {self}")
         if self.vector_tiles and self.tensor_core_chunks:
             raise ValueError("DecodePlan: `vector_tiles` and `tensor_core_chunks` exclude each other")
         if self.vector_tiles and problem.key_dim & (problem.key_dim - 1):  # K must split into power-of-two tiles
