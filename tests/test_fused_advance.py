@@ -34,7 +34,7 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
     """``steps`` decode steps of one batch (slots shuffled over ``S``, one padding row, forced flushes) twice
     from the same caches: fused, and decode then ``kernels.cursor.advance``. Returns both runs' (outputs per
     step, final caches, cursor history). ``tiny``: the launch plan's ``tiny_batch`` (None: the library's);
-    ``separate_edits`` / ``fused_edits``: further edits of the plain / fused decode's plan (with ``tiny``)."""
+    ``separate_edits`` / ``fused_edits``: edits of the plain / fused decode's plan (the library's otherwise)."""
     gen = torch.Generator().manual_seed(seed)
     params = random_head_params(HV, K, generator=gen)
     params = dataclasses.replace(params, A_log=(params.A_log + A_log_shift).to(device),
@@ -60,10 +60,13 @@ def _run_steps(*, B: int, H: int, HV: int, K: int, V: int, L: int, S: int, steps
             call = DecodeCall(inp.mixed_qkv.to(device), inp.a.to(device), inp.b.to(device), params.A_log,
                               params.dt_bias, None, *caches, out, slots, cursors, flags[t], True)
             plan = None
+            edits = dict((fused_edits if fused else separate_edits) or {})
             if tiny is not None:
+                edits["tiny_batch"] = tiny
+            if edits:
                 dims = validate_decode(call, ring_layout=layout, cursor_table=True)
                 plan = dataclasses.replace(plan_for(call, dims, ring_layout=layout, cursor_table=True, advance=fused),
-                                           tiny_batch=tiny, **((fused_edits if fused else separate_edits) or {}))
+                                           **edits)
             run_decode(call, ring_layout=layout, cursor_table=True, advance=fused, plan=plan)
             if not fused:
                 cursor.advance(cursors, slots, flags[t], L)
@@ -243,3 +246,25 @@ def test_fused_advance_on_gpu_matches_decode_then_advance(shape: str, predecayed
                                  state_dtype=state_dtype, seed=B + HV, device=torch.device("cuda", 0))
     torch.cuda.synchronize()
     _assert_same(separate, fused, S, L)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("predecayed", [False, True], ids=["sglang-layout", "predecayed-softplus"])
+@pytest.mark.parametrize("shape", ["HV32-B1-bf16", "HV8-B1-bf16", "HV8-B8-bf16", "HV32-B8-fp32", "HV12-B128-bf16"])
+def test_pinned_loads_on_gpu_match_the_library_plans(shape: str, predecayed: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DecodePlan.pinned_loads`` edited into the plain decode's and the fused step's plans (the form that waits for
+    the H200's timing): bit-identical to the library's plans over two cursor cycles, on the one-warp, tiny-batch,
+    4-warp and tensor-core programs; checked to reach the kernel."""
+    seen = record_kernel_args(monkeypatch, "pinned_loads")
+    B, HV, state_dtype = GPU_SHAPES[shape]
+    S, L = B + 3, 4
+    kw = dict(B=B, H=HV, HV=HV, K=128, V=128, L=L, S=S, steps=2 * L + 1, predecayed=predecayed,
+              state_dtype=state_dtype, seed=B + HV, device=torch.device("cuda", 0))
+    base = _run_steps(**kw)
+    pinned = _run_steps(**kw, separate_edits=dict(pinned_loads=True), fused_edits=dict(pinned_loads=True))
+    torch.cuda.synchronize()
+    _assert_same(base[0], pinned[0], S, L)
+    _assert_same(base[1], pinned[1], S, L)
+    assert {(False,), (True,)} <= set(seen), seen

@@ -243,3 +243,25 @@ def test_pinned_loads_refuse_bad_slots_in_the_interpreter(how: str, layout: str,
     finally:
         del BAD["all"]
     assert seen and all(pinned for (pinned,) in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pinned", [False, True], ids=["library-plans", "pinned-loads"])
+@pytest.mark.parametrize("how,layout,state", [("decode", "predecayed", "bf16"), ("fused", "sglang", "fp32"),
+                                              ("advance", "predecayed", "fp32")])
+def test_kernels_refuse_bad_slots_on_gpu(how: str, layout: str, state: str, pinned: bool,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The call with every kind of bad row at once on the GPU, with the library's plans and with
+    ``DecodePlan.pinned_loads`` edited into them (the form that waits for the H200's timing)."""
+    import dataclasses
+
+    from tp_replayssm.kernels import launch
+
+    library_plan = launch.plan_for
+    monkeypatch.setattr(launch, "plan_for", lambda *a, **kw: dataclasses.replace(library_plan(*a, **kw),
+                                                                                 pinned_loads=pinned))
+    BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
+    try:
+        _run_case(layout, how, "all", device="cuda", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
+    finally:
+        del BAD["all"]
