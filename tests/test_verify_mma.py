@@ -213,14 +213,16 @@ def test_mma_verify_rebase() -> None:
 
 
 CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False),
-           "fold-pass": dict(fold_in_chunks=False), "fold-in-chunks": dict(fold_in_chunks=True)}
+           "fold-pass": dict(fold_in_chunks=False), "fold-in-chunks": dict(fold_in_chunks=True),
+           "early-params": dict(early_params=True)}
 
 
 @on_cpu_machine
 @pytest.mark.parametrize("choice", list(CHOICES))
 def test_mma_verify_plan_choices(choice: str) -> None:
     """The tensor-core form's plan edits (``batched_reductions=False``: the prologue's sums over K as separate
-    reductions; ``chunk_prefetch=False``: each chunk's loads at its start): a chain of 3 drafts on an fp32 checkpoint in
+    reductions; ``chunk_prefetch=False``: each chunk's loads at its start; ``fold_in_chunks``; ``early_params``: the
+    gate's parameters loaded beside the drafts' inputs): a chain of 3 drafts on an fp32 checkpoint in
     two 16-row chunks per program with a row that folds, padding and a repeated slot; then a tree of 5 drafts on a
     bf16 checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
     pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
@@ -276,10 +278,11 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
     assert not cuda_cores.batched_reductions and cuda_cores.chunk_prefetch
     for change in (dict(batched_reductions=True), dict(chunk_prefetch=False), dict(fold_in_chunks=True),
-                   dict(maxnreg=128)):
+                   dict(maxnreg=128), dict(early_params=True)):
         with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
             dataclasses.replace(cuda_cores, **change).check(problem)
     assert not cuda_cores.fold_in_chunks and "fold_in_chunks" not in cuda_cores.constexprs()
+    assert not plan.early_params and dataclasses.replace(plan, early_params=True).constexprs()["early_params"] is True
     for cap in (0, 23, 256):  # a cap ptxas cannot take
         with pytest.raises(ValueError, match=f"`maxnreg` must be None or in \\[24, 255\\]; got {cap}"):
             dataclasses.replace(plan, maxnreg=cap).check(problem)
@@ -390,10 +393,12 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 # ---- GPU --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["tensor-cores", "tensor-cores-separate", "tensor-cores-no-prefetch", "cuda-cores"])
+@pytest.fixture(params=["tensor-cores", "tensor-cores-separate", "tensor-cores-no-prefetch",
+                        "tensor-cores-early-params", "cuda-cores"])
 def verify_form(request: pytest.FixtureRequest) -> str:
     """The verify form a test's calls take: the tensor-core form (the library's plan; or with
-    ``batched_reductions=False``; or with ``chunk_prefetch=False``) or the CUDA-core form."""
+    ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params``, which waits for the
+    H200's timing) or the CUDA-core form."""
     return request.param
 
 
@@ -405,7 +410,7 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
                                         pool.ring_layout, tree, True, False, False, torch.bfloat16)
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
     return dataclasses.replace(plan, batched_reductions=plan.batched_reductions and "separate" not in form,
-                               chunk_prefetch="no-prefetch" not in form)
+                               chunk_prefetch="no-prefetch" not in form, early_params="early-params" in form)
 
 
 @pytest.mark.gpu

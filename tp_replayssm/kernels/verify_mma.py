@@ -94,6 +94,7 @@ def replayssm_verify_mma_kernel(
     batched_reductions: hl.constexpr = False,  # the prologue's sums over K as reductions over tuples (verify_math)
     chunk_prefetch: hl.constexpr = True,  # each chunk's loads issued during the previous chunk's math (registers)
     fold_in_chunks: hl.constexpr = False,  # a fold's checkpoint rows stored from the chunk loop, not a pass before it
+    early_params: hl.constexpr = False,  # the gate's parameters loaded beside the drafts' inputs
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -124,6 +125,9 @@ def replayssm_verify_mma_kernel(
             k_in = [k4[row, t, h, :] for t in hl.static_range(T)]
             a_in = [a4[row, t, hv, :] for t in hl.static_range(T)]
             b_in = [b3[row, t, hv] for t in hl.static_range(T)]
+            if early_params:  # else they load where the gates are made, after the norms' barriers
+                dt_row = dt_bias2[hv, :]
+                a_log = A_log[hv]
             ok = in_range & (cur >= 0) & (cur < ring_length)
             named = slot * 0
             for nb in hl.grid(0, B, named_block):
@@ -156,8 +160,12 @@ def replayssm_verify_mma_kernel(
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             # the drafts: q, k [K] (scaled, normalized), log-gates, beta, parents
             qs, ks = draft_qk(q_in, k_in, scale, use_l2norm, T, batched_reductions)
-            gates = [gate_math(a_in[t].to(torch.float32) + dt_bias2[hv, :], A_log[hv], lower_bound, use_lower_bound)
-                     for t in hl.static_range(T)]
+            if early_params:
+                gates = [gate_math(a_in[t].to(torch.float32) + dt_row, a_log, lower_bound, use_lower_bound)
+                         for t in hl.static_range(T)]
+            else:
+                gates = [gate_math(a_in[t].to(torch.float32) + dt_bias2[hv, :], A_log[hv], lower_bound,
+                                   use_lower_bound) for t in hl.static_range(T)]
             betas = [torch.sigmoid(b_in[t].to(torch.float32)) for t in hl.static_range(T)]
             if tree:
                 pars = [parents[row, t] for t in hl.static_range(T)]

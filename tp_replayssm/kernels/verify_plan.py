@@ -142,6 +142,8 @@ class VerifyPlan:
     # drafts' products read the committed state as S0 and the ring, as a row that does not fold), not in a pass
     # over the tile before it
     maxnreg: int | None = None  # ptxas register cap per thread, a Triton launcher option beside the Helion config
+    early_params: bool = False  # tensor cores: the gate's parameters (dt_bias row, A_log) loaded beside the drafts'
+    # inputs, not after the norms' reduction and its barriers (a plan edit, not yet timed: docs/tuning.md)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -171,7 +173,7 @@ class VerifyPlan:
         if self.tensor_cores:
             return dict(common, columns=self.columns, operand_parts=self.operand_parts, fold_chunk=MMA_FOLD_CHUNK,
                         batched_reductions=self.batched_reductions, chunk_prefetch=self.chunk_prefetch,
-                        fold_in_chunks=self.fold_in_chunks)
+                        fold_in_chunks=self.fold_in_chunks, early_params=self.early_params)
         return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
 
     @property
@@ -204,7 +206,7 @@ class VerifyPlan:
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
         else:
             for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False),
-                                  ("maxnreg", None)):
+                                  ("maxnreg", None), ("early_params", False)):
                 if getattr(self, name) != default:
                     raise ValueError(f"VerifyPlan: `{name}` is a choice of the tensor-core form; this plan is the "
                                      "CUDA-core form (tensor_cores=False)")
