@@ -214,7 +214,7 @@ def test_mma_verify_rebase() -> None:
 
 CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False),
            "fold-pass": dict(fold_in_chunks=False), "fold-in-chunks": dict(fold_in_chunks=True),
-           "early-params": dict(early_params=True)}
+           "early-params": dict(early_params=True), "merged-sums": dict(merged_sums=True)}
 
 
 @on_cpu_machine
@@ -222,7 +222,8 @@ CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch":
 def test_mma_verify_plan_choices(choice: str) -> None:
     """The tensor-core form's plan edits (``batched_reductions=False``: the prologue's sums over K as separate
     reductions; ``chunk_prefetch=False``: each chunk's loads at its start; ``fold_in_chunks``; ``early_params``: the
-    gate's parameters loaded beside the drafts' inputs): a chain of 3 drafts on an fp32 checkpoint in
+    gate's parameters loaded beside the drafts' inputs; ``merged_sums``: the norms and couplings in one reduction): a
+    chain of 3 drafts on an fp32 checkpoint in
     two 16-row chunks per program with a row that folds, padding and a repeated slot; then a tree of 5 drafts on a
     bf16 checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
     pool = _pool(KDAHeads(1, 2, 16, 32), num_slots=5, ring_length=6, cache_dtype=torch.bfloat16)
@@ -239,6 +240,31 @@ def test_mma_verify_plan_choices(choice: str) -> None:
     pool.alloc(2)
     _warm(pool, model, [[0, 1], [0, 1], [0, -1], [0, -1]], gen)
     _case(pool, model, [0, 1], 5, gen, [[-1, 0, 0, 1, 3], [-1, -1, 1, 0, 2]], 5e-3, 5e-3, **CHOICES[choice])
+
+
+@on_cpu_machine
+def test_merged_sums_without_l2norm() -> None:
+    """``merged_sums`` (the couplings on the raw inputs, scaled afterwards) where the call does not normalize q and k
+    (``use_qk_l2norm_in_kernel=False``: the couplings scale by ``scale`` alone, no norms are summed): a chain of 3
+    drafts in the interpreter against the torch path."""
+    pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=4, ring_length=6, cache_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(25)
+    model = make_model(pool, gen)
+    pool.alloc(3)
+    _warm(pool, model, [[0, 1, 2], [0, -1, 2]], gen)
+    twin = copy.deepcopy(pool)
+    problem = dataclasses.replace(_problem(pool, 3, 3, False), use_l2norm=False)
+    plan = dataclasses.replace(verify_plan.plan_verify(problem, tensor_cores=True), merged_sums=True)
+    drafts = random_drafts(pool, 3, 3, gen)
+    slots = torch.tensor([0, 1, 2], dtype=torch.int32)
+    p = model.params[0]
+    outs = []
+    for target, backend, kw in ((pool, "interpreter", dict(plan=plan)), (twin, "torch", {})):
+        with use_cpu_backend(backend):
+            outs.append(target.verify(0, drafts.mixed[0], drafts.a[0], drafts.b[0], p.A_log, p.dt_bias, slots,
+                                      use_qk_l2norm_in_kernel=False, **kw))
+    assert plan.merged_sums and not plan.use_l2norm
+    assert torch.isfinite(outs[0]).all() and rel(outs[0], outs[1]) < 1e-5, rel(outs[0], outs[1])
 
 
 # a verify problem on the H200 (132 SMs): HV32, K = V = 128, L = 16, T = 4, a chain, bf16 checkpoint and activations
@@ -278,11 +304,14 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     cuda_cores = verify_plan.plan_verify(problem, tensor_cores=False)
     assert not cuda_cores.batched_reductions and cuda_cores.chunk_prefetch
     for change in (dict(batched_reductions=True), dict(chunk_prefetch=False), dict(fold_in_chunks=True),
-                   dict(maxnreg=128), dict(early_params=True)):
+                   dict(maxnreg=128), dict(early_params=True), dict(merged_sums=True)):
         with pytest.raises(ValueError, match=f"`{next(iter(change))}`"):
             dataclasses.replace(cuda_cores, **change).check(problem)
     assert not cuda_cores.fold_in_chunks and "fold_in_chunks" not in cuda_cores.constexprs()
     assert not plan.early_params and dataclasses.replace(plan, early_params=True).constexprs()["early_params"] is True
+    assert not plan.merged_sums and dataclasses.replace(plan, merged_sums=True).constexprs()["merged_sums"] is True
+    with pytest.raises(ValueError, match="`merged_sums` is a form of the batched reductions"):
+        dataclasses.replace(plan, merged_sums=True, batched_reductions=False).check(problem)
     for cap in (0, 23, 256):  # a cap ptxas cannot take
         with pytest.raises(ValueError, match=f"`maxnreg` must be None or in \\[24, 255\\]; got {cap}"):
             dataclasses.replace(plan, maxnreg=cap).check(problem)
@@ -394,11 +423,11 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 
 
 @pytest.fixture(params=["tensor-cores", "tensor-cores-separate", "tensor-cores-no-prefetch",
-                        "tensor-cores-early-params", "cuda-cores"])
+                        "tensor-cores-early-params", "tensor-cores-merged-sums", "cuda-cores"])
 def verify_form(request: pytest.FixtureRequest) -> str:
     """The verify form a test's calls take: the tensor-core form (the library's plan; or with
-    ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params``, which waits for the
-    H200's timing) or the CUDA-core form."""
+    ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params`` or ``merged_sums``, which
+    wait for the H200's timing) or the CUDA-core form."""
     return request.param
 
 
@@ -410,7 +439,8 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
                                         pool.ring_layout, tree, True, False, False, torch.bfloat16)
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
     return dataclasses.replace(plan, batched_reductions=plan.batched_reductions and "separate" not in form,
-                               chunk_prefetch="no-prefetch" not in form, early_params="early-params" in form)
+                               chunk_prefetch="no-prefetch" not in form, early_params="early-params" in form,
+                               merged_sums="merged-sums" in form)
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ import helion.language as hl
 from .decode_math import qk_math
 
 __all__ = ["add_tuple", "ancestry", "bf16_parts", "column_matrix", "combination", "draft_qk", "exact_products",
-           "min_log_decay", "min_tuple", "output_columns", "pair_terms", "part_products", "path_sums", "solve_chunk",
-           "stack_rows", "value_matrix"]
+           "merged_terms", "min_log_decay", "min_tuple", "output_columns", "pair_terms", "part_products", "path_sums",
+           "solve_chunk", "stack_rows", "value_matrix"]
 
 
 def add_tuple(a, b):  # noqa: ANN001, ANN201 - traced by Helion
@@ -125,6 +125,44 @@ def pair_terms(qs, ks, gam, anc, betas, T: int, batched: bool = False):  # noqa:
         nk.append(nrow)
         mq.append(qrow)
     return nk, mq
+
+
+def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T: int):  # noqa: ANN001, ANN201
+    """:func:`draft_qk` and :func:`pair_terms` (batched) from ONE reduction over a tuple: ``(qs, ks, nk, mq)``. The
+    couplings' dot products are taken on the raw inputs and scaled by the norms afterwards (a dot product of
+    l2-normalized vectors is the raw one times both ``rsqrt(|x|^2 + 1e-6)``), so they need not wait for the norms'
+    reduction: the ``2T`` squared norms and the ``T^2`` couplings are summed together, right after the gates (the
+    decays need ``Gam``). Equal to the two reductions' result up to fp32 rounding."""
+    qf = [q_in[t].to(torch.float32) for t in range(T)]
+    kf = [k_in[t].to(torch.float32) for t in range(T)]
+    prods = []  # as pair_terms: per t, (k_u . k_t, k_u . q_t) for each u < t, then q_t . k_t
+    for t in range(T):
+        for u in range(t):
+            ku_dec = kf[u] * torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
+            prods += [ku_dec * kf[t], ku_dec * qf[t]]
+        prods.append(kf[t] * qf[t])
+    if use_l2norm:
+        prods += [x * x for x in qf] + [x * x for x in kf]
+    sums = hl.reduce(add_tuple, tuple(prods), dim=0)
+    n = len(prods) - (2 * T if use_l2norm else 0)
+    if use_l2norm:
+        rq = [torch.rsqrt(sums[n + t] + 1e-6) * scale for t in range(T)]
+        rk = [torch.rsqrt(sums[n + T + t] + 1e-6) for t in range(T)]
+    else:
+        rq, rk = [scale] * T, [1.0] * T
+    nk, mq = [], []
+    i = 0
+    for t in range(T):
+        nrow, qrow = [], []
+        for u in range(t):
+            nrow.append(betas[t] * anc[t][u] * (sums[i] * (rk[u] * rk[t])))
+            qrow.append(anc[t][u] * (sums[i + 1] * (rk[u] * rq[t])))
+            i += 2
+        qrow.append(sums[i] * (rk[t] * rq[t]))
+        i += 1
+        nk.append(nrow)
+        mq.append(qrow)
+    return [qf[t] * rq[t] for t in range(T)], [kf[t] * rk[t] for t in range(T)], nk, mq
 
 
 def solve_chunk(pk, pq, vs, betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - traced by Helion

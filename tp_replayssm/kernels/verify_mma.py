@@ -44,8 +44,9 @@ import helion
 import helion.language as hl
 
 from .decode_math import gate_math
-from .verify_math import (ancestry, bf16_parts, column_matrix, combination, draft_qk, exact_products, min_log_decay,
-                          output_columns, pair_terms, part_products, path_sums, stack_rows, value_matrix)
+from .verify_math import (ancestry, bf16_parts, column_matrix, combination, draft_qk, exact_products, merged_terms,
+                          min_log_decay, output_columns, pair_terms, part_products, path_sums, stack_rows,
+                          value_matrix)
 
 __all__ = ["replayssm_verify_mma_kernel", "verify_mma_kernel_for"]
 
@@ -95,6 +96,7 @@ def replayssm_verify_mma_kernel(
     chunk_prefetch: hl.constexpr = True,  # each chunk's loads issued during the previous chunk's math (registers)
     fold_in_chunks: hl.constexpr = False,  # a fold's checkpoint rows stored from the chunk loop, not a pass before it
     early_params: hl.constexpr = False,  # the gate's parameters loaded beside the drafts' inputs
+    merged_sums: hl.constexpr = False,  # the norms and the couplings as one reduction (verify_math.merged_terms)
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -159,7 +161,8 @@ def replayssm_verify_mma_kernel(
             k_ring = hl.load(k_rows, [s64 * kr_s + hv * kr_h + j * kr_l, slice(None)], extra_mask=valid[:, None])
             g_last = g_rows[s64 * gr_s + hv * gr_h + torch.where(cur > 0, cur - 1, 0) * gr_l, :]
             # the drafts: q, k [K] (scaled, normalized), log-gates, beta, parents
-            qs, ks = draft_qk(q_in, k_in, scale, use_l2norm, T, batched_reductions)
+            if not merged_sums:
+                qs, ks = draft_qk(q_in, k_in, scale, use_l2norm, T, batched_reductions)
             if early_params:
                 gates = [gate_math(a_in[t].to(torch.float32) + dt_row, a_log, lower_bound, use_lower_bound)
                          for t in hl.static_range(T)]
@@ -173,6 +176,8 @@ def replayssm_verify_mma_kernel(
                 pars = [slot * 0 + (t - 1) for t in hl.static_range(T)]
             anc = ancestry(pars, T)
             gam = path_sums(gates, anc, T)
+            if merged_sums:  # q, k and the couplings from one reduction, now that the decays are known
+                qs, ks, nk, mq = merged_terms(q_in, k_in, gam, anc, betas, scale, use_l2norm, T)
             tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
             if fold_in_chunks:
                 decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, from each chunk
@@ -223,7 +228,8 @@ def replayssm_verify_mma_kernel(
             row_n = vc[:, None]
             aks = [(torch.exp(tot + gam[t]) * ks[t])[None, :] for t in hl.static_range(T)]
             aqs = [(torch.exp(tot + gam[t]) * qs[t])[None, :] for t in hl.static_range(T)]
-            nk, mq = pair_terms(qs, ks, gam, anc, betas, T, batched_reductions)
+            if not merged_sums:
+                nk, mq = pair_terms(qs, ks, gam, anc, betas, T, batched_reductions)
             alpha, gamma = combination(betas, nk, mq, T)
             cols_d, cols_o = output_columns(aks, aqs, alpha, gamma, T)
             at_parts = bf16_parts(column_matrix(cols_d, cols_o, row_n, T), operand_parts)

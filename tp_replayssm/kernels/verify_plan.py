@@ -144,6 +144,9 @@ class VerifyPlan:
     maxnreg: int | None = None  # ptxas register cap per thread, a Triton launcher option beside the Helion config
     early_params: bool = False  # tensor cores: the gate's parameters (dt_bias row, A_log) loaded beside the drafts'
     # inputs, not after the norms' reduction and its barriers (a plan edit, not yet timed: docs/tuning.md)
+    merged_sums: bool = False  # tensor cores with batched_reductions: the norms and the drafts' couplings summed in
+    # one reduction (the couplings on the raw inputs, scaled by the norms after it: verify_math.merged_terms), not
+    # the couplings' reduction after the norms' (a plan edit, not yet timed: docs/tuning.md)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -173,7 +176,8 @@ class VerifyPlan:
         if self.tensor_cores:
             return dict(common, columns=self.columns, operand_parts=self.operand_parts, fold_chunk=MMA_FOLD_CHUNK,
                         batched_reductions=self.batched_reductions, chunk_prefetch=self.chunk_prefetch,
-                        fold_in_chunks=self.fold_in_chunks, early_params=self.early_params)
+                        fold_in_chunks=self.fold_in_chunks, early_params=self.early_params,
+                        merged_sums=self.merged_sums)
         return dict(common, doubling_steps=self.draft_block.bit_length() - 1)
 
     @property
@@ -204,9 +208,12 @@ class VerifyPlan:
             if self.value_chunk < 16 or self.operand_parts not in (2, 3):
                 raise ValueError(f"VerifyPlan: the tensor-core form needs `value_chunk` >= 16 and `operand_parts` "
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
+            if self.merged_sums and not self.batched_reductions:
+                raise ValueError("VerifyPlan: `merged_sums` is a form of the batched reductions: it needs "
+                                 "`batched_reductions`")
         else:
             for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False),
-                                  ("maxnreg", None), ("early_params", False)):
+                                  ("maxnreg", None), ("early_params", False), ("merged_sums", False)):
                 if getattr(self, name) != default:
                     raise ValueError(f"VerifyPlan: `{name}` is a choice of the tensor-core form; this plan is the "
                                      "CUDA-core form (tensor_cores=False)")
