@@ -199,16 +199,18 @@ def test_mma_verify_two_chunks_per_program() -> None:
 
 
 @on_cpu_machine
-def test_mma_verify_rebase() -> None:
+@pytest.mark.parametrize("edit", [{}, {"merged_sums": True}], ids=["library-plan", "merged-sums"])
+def test_mma_verify_rebase(edit: dict) -> None:
     """Pre-decayed rings with a gate that can pass the bound within a ring (lower bound -18, L = 6): the committed
-    gates plus the drafts pass -75, so heads rebase (checkpoint, zeroed deltas, G_{c-1} = 0)."""
+    gates plus the drafts pass -75, so heads rebase (checkpoint, zeroed deltas, G_{c-1} = 0); with ``merged_sums``
+    the rebase test is a count in the merged reduction."""
     pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=3, ring_length=6, cache_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(24)
     model = make_model(pool, gen, lower_bound=-18.0)
     pool.alloc(2)
     _warm(pool, model, [[0, 1], [0, 1], [0, -1]], gen, a_shift=4.0)
     before = pool.g_cache[0, 0, :, 2].clone()
-    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0)
+    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, **edit)
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 

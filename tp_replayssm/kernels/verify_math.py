@@ -127,12 +127,15 @@ def pair_terms(qs, ks, gam, anc, betas, T: int, batched: bool = False):  # noqa:
     return nk, mq
 
 
-def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T: int):  # noqa: ANN001, ANN201
-    """:func:`draft_qk` and :func:`pair_terms` (batched) from ONE reduction over a tuple: ``(qs, ks, nk, mq)``. The
-    couplings' dot products are taken on the raw inputs and scaled by the norms afterwards (a dot product of
+def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T: int,  # noqa: ANN001, ANN201
+                 tot=None):  # noqa: ANN001
+    """:func:`draft_qk` and :func:`pair_terms` (batched) from ONE reduction over a tuple: ``(qs, ks, nk, mq, below)``.
+    The couplings' dot products are taken on the raw inputs and scaled by the norms afterwards (a dot product of
     l2-normalized vectors is the raw one times both ``rsqrt(|x|^2 + 1e-6)``), so they need not wait for the norms'
     reduction: the ``2T`` squared norms and the ``T^2`` couplings are summed together, right after the gates (the
-    decays need ``Gam``). Equal to the two reductions' result up to fp32 rounding."""
+    decays need ``Gam``). Equal to the two reductions' result up to fp32 rounding. With ``tot`` (``G_{c-1} [K]``) the
+    same reduction counts the drafts' cumulative gates below the rebase bound, ``below`` = the number of ``(t, k)``
+    with ``tot + Gam_t < -75`` (fp32, exact): > 0 exactly where :func:`min_log_decay` is below it; else None."""
     qf = [q_in[t].to(torch.float32) for t in range(T)]
     kf = [k_in[t].to(torch.float32) for t in range(T)]
     prods = []  # as pair_terms: per t, (k_u . k_t, k_u . q_t) for each u < t, then q_t . k_t
@@ -143,8 +146,13 @@ def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T:
         prods.append(kf[t] * qf[t])
     if use_l2norm:
         prods += [x * x for x in qf] + [x * x for x in kf]
-    sums = hl.reduce(add_tuple, tuple(prods), dim=0)
     n = len(prods) - (2 * T if use_l2norm else 0)
+    if tot is not None:  # the rebase test's count, last
+        count = torch.where(tot + gam[0] < -75.0, 1.0, 0.0)  # -validation.PREDECAYED_MAX_LOG_DECAY
+        for t in range(1, T):
+            count = count + torch.where(tot + gam[t] < -75.0, 1.0, 0.0)
+        prods.append(count)
+    sums = hl.reduce(add_tuple, tuple(prods), dim=0)
     if use_l2norm:
         rq = [torch.rsqrt(sums[n + t] + 1e-6) * scale for t in range(T)]
         rk = [torch.rsqrt(sums[n + T + t] + 1e-6) for t in range(T)]
@@ -162,7 +170,8 @@ def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T:
         i += 1
         nk.append(nrow)
         mq.append(qrow)
-    return [qf[t] * rq[t] for t in range(T)], [kf[t] * rk[t] for t in range(T)], nk, mq
+    below = sums[len(prods) - 1] if tot is not None else None
+    return [qf[t] * rq[t] for t in range(T)], [kf[t] * rk[t] for t in range(T)], nk, mq, below
 
 
 def solve_chunk(pk, pq, vs, betas, nk, mq, T: int):  # noqa: ANN001, ANN201 - traced by Helion

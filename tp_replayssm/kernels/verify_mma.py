@@ -96,7 +96,7 @@ def replayssm_verify_mma_kernel(
     chunk_prefetch: hl.constexpr = True,  # each chunk's loads issued during the previous chunk's math (registers)
     fold_in_chunks: hl.constexpr = False,  # a fold's checkpoint rows stored from the chunk loop, not a pass before it
     early_params: hl.constexpr = False,  # the gate's parameters loaded beside the drafts' inputs
-    merged_sums: hl.constexpr = False,  # the norms and the couplings as one reduction (verify_math.merged_terms)
+    merged_sums: hl.constexpr = False,  # the norms, couplings and rebase test as one reduction (merged_terms)
 ) -> torch.Tensor:
     """One layer's verify on tensor cores (module docstring)."""
     B = q4.size(0)
@@ -176,15 +176,22 @@ def replayssm_verify_mma_kernel(
                 pars = [slot * 0 + (t - 1) for t in hl.static_range(T)]
             anc = ancestry(pars, T)
             gam = path_sums(gates, anc, T)
-            if merged_sums:  # q, k and the couplings from one reduction, now that the decays are known
-                qs, ks, nk, mq = merged_terms(q_in, k_in, gam, anc, betas, scale, use_l2norm, T)
+            if merged_sums:  # q, k, the couplings and the rebase test from one reduction, the decays known
+                if predecayed_ring == 2:
+                    qs, ks, nk, mq, below = merged_terms(q_in, k_in, gam, anc, betas, scale, use_l2norm, T,
+                                                         torch.where(cur > 0, g_last, 0.0))
+                else:
+                    qs, ks, nk, mq, below = merged_terms(q_in, k_in, gam, anc, betas, scale, use_l2norm, T)
             tot = torch.where(cur > 0, g_last, 0.0)  # G_{c-1}
             if fold_in_chunks:
                 decay = torch.exp(tot)  # a folding row's checkpoint S_c = (S0 + D^T Kt) * decay, from each chunk
             drop = fold  # the drafts' rows overwrite committed ring rows (a fold or a rebase)
             if predecayed_ring == 2:  # drafts that would pass the bound from the committed base rebase the head
-                low = min_log_decay(tot, gam, T, batched_reductions)
-                rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
+                if merged_sums:  # (counted in the merged reduction)
+                    rebase = torch.where((below > 0.5) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)
+                else:
+                    low = min_log_decay(tot, gam, T, batched_reductions)
+                    rebase = torch.where((low < -75.0) & (fold == 0) & (cur > 0), 1, 0).to(torch.int32)  # the bound
                 if on_gpu:
                     rebase = hl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 31, -1;", "=r,r", [rebase],
                                                        dtype=torch.int32, is_pure=True, pack=1)

@@ -144,9 +144,9 @@ class VerifyPlan:
     maxnreg: int | None = None  # ptxas register cap per thread, a Triton launcher option beside the Helion config
     early_params: bool = False  # tensor cores: the gate's parameters (dt_bias row, A_log) loaded beside the drafts'
     # inputs, not after the norms' reduction and its barriers (a plan edit, not yet timed: docs/tuning.md)
-    merged_sums: bool = False  # tensor cores with batched_reductions: the norms and the drafts' couplings summed in
-    # one reduction (the couplings on the raw inputs, scaled by the norms after it: verify_math.merged_terms), not
-    # the couplings' reduction after the norms' (a plan edit, not yet timed: docs/tuning.md)
+    merged_sums: bool = False  # tensor cores with batched_reductions: the norms, the drafts' couplings and the rebase
+    # test summed in one reduction (the couplings on the raw inputs, scaled by the norms after it; the rebase test a
+    # count: verify_math.merged_terms), not three (a plan edit, not yet timed: docs/tuning.md)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
