@@ -27,6 +27,9 @@ docs/spec.md):
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
+
+Two fields no rule sets yet, plan edits that wait for the H200's timing (DEVELOPERS.md): ``early_params`` and
+``merged_sums`` (docs/tuning.md, "The verify form").
 """
 
 from __future__ import annotations
