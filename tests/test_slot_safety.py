@@ -58,10 +58,12 @@ def _step(pool: ReplaySSMStatePool, params: object, slots: list[int], how: str, 
 
 
 BAD = bad_slot_cases(S)  # slots of one call -> the bad rows
+ALL_BAD = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])  # every kind of bad row in one call, and its bad rows
 
 
-def _run_case(layout: str, how: str, case: str, **pool_kw: object) -> None:
-    slots, bad_rows = BAD[case]
+def _run_case(layout: str, how: str, case: str | tuple[list[int], list[int]], **pool_kw: object) -> None:
+    """The bad call of ``case`` (a name in ``BAD``, or ``(slots, bad rows)``) against the clean call on a twin."""
+    slots, bad_rows = BAD[case] if isinstance(case, str) else case
     pool, params = _pool(layout, **pool_kw)
     twin, _ = _pool(layout, **pool_kw)
     clean = [-1 if i in bad_rows else s for i, s in enumerate(slots)]
@@ -103,11 +105,7 @@ def test_kernels_refuse_bad_slots_in_the_interpreter(how: str, layout: str, stat
     from _decode_scenario import record_kernel_args
 
     seen = record_kernel_args(monkeypatch, "early_qk")
-    BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
-    try:
-        _run_case(layout, how, "all", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
-    finally:
-        del BAD["all"]
+    _run_case(layout, how, ALL_BAD, state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
     assert seen and all(early == (state == "bf16") for (early,) in seen), seen
 
 
@@ -222,26 +220,27 @@ def test_graph_replay_with_a_bad_row_keeps_running_and_reports(layout: str) -> N
         pool.check()
 
 
+def _edit_pool_plans(monkeypatch: pytest.MonkeyPatch, **fields: object) -> None:
+    """The pool's decode calls take the library's plans with ``fields`` replaced."""
+    import dataclasses
+
+    from tp_replayssm.kernels import launch
+
+    library_plan = launch.plan_for
+    monkeypatch.setattr(launch, "plan_for", lambda *a, **kw: dataclasses.replace(library_plan(*a, **kw), **fields))
+
+
 @pytest.mark.parametrize("how,layout,state", [("decode", "predecayed", "bf16"), ("fused", "sglang", "fp32")])
 def test_pinned_loads_refuse_bad_slots_in_the_interpreter(how: str, layout: str, state: str, interpreter: None,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode kernel with ``DecodePlan.pinned_loads`` (the row's loads kept above the slot's verdict branch by a
     use on the refused path, in a store that never runs) edited into the pool's plans: the call with every kind of
     bad row at once, as above; checked to reach the kernel."""
-    import dataclasses
-
     from _decode_scenario import record_kernel_args
-    from tp_replayssm.kernels import launch
 
-    library_plan = launch.plan_for
-    monkeypatch.setattr(launch, "plan_for", lambda *a, **kw: dataclasses.replace(library_plan(*a, **kw),
-                                                                                 pinned_loads=True))
+    _edit_pool_plans(monkeypatch, pinned_loads=True)
     seen = record_kernel_args(monkeypatch, "pinned_loads")
-    BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
-    try:
-        _run_case(layout, how, "all", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
-    finally:
-        del BAD["all"]
+    _run_case(layout, how, ALL_BAD, state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
     assert seen and all(pinned for (pinned,) in seen), seen
 
 
@@ -253,15 +252,5 @@ def test_kernels_refuse_bad_slots_on_gpu(how: str, layout: str, state: str, pinn
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The call with every kind of bad row at once on the GPU, with the library's plans and with
     ``DecodePlan.pinned_loads`` edited into them (the form that waits for the H200's timing)."""
-    import dataclasses
-
-    from tp_replayssm.kernels import launch
-
-    library_plan = launch.plan_for
-    monkeypatch.setattr(launch, "plan_for", lambda *a, **kw: dataclasses.replace(library_plan(*a, **kw),
-                                                                                 pinned_loads=pinned))
-    BAD["all"] = ([0, S, 4, 1, 3, 3, 2, -1], [1, 2, 3, 4, 5])
-    try:
-        _run_case(layout, how, "all", device="cuda", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)
-    finally:
-        del BAD["all"]
+    _edit_pool_plans(monkeypatch, pinned_loads=pinned)
+    _run_case(layout, how, ALL_BAD, device="cuda", state_dtype=torch.bfloat16 if state == "bf16" else torch.float32)

@@ -17,9 +17,9 @@ import helion.language as hl
 
 from .decode_math import qk_math
 
-__all__ = ["add_tuple", "ancestry", "bf16_parts", "column_matrix", "combination", "draft_qk", "exact_products",
-           "merged_terms", "min_log_decay", "min_tuple", "output_columns", "pair_terms", "part_products", "path_sums",
-           "solve_chunk", "stack_rows", "value_matrix"]
+__all__ = ["add_tuple", "ancestry", "bf16_parts", "column_matrix", "combination", "coupling_products", "couplings",
+           "draft_qk", "exact_products", "merged_terms", "min_log_decay", "min_tuple", "output_columns", "pair_terms",
+           "part_products", "path_sums", "solve_chunk", "stack_rows", "value_matrix"]
 
 
 def add_tuple(a, b):  # noqa: ANN001, ANN201 - traced by Helion
@@ -106,21 +106,38 @@ def pair_terms(qs, ks, gam, anc, betas, T: int, batched: bool = False):  # noqa:
             nk.append(nrow)
             mq.append(qrow)
         return nk, mq
-    prods = []  # per t: (k_u . k_t, k_u . q_t) for each u < t, then q_t . k_t
+    dots = hl.reduce(add_tuple, tuple(coupling_products(qs, ks, gam, anc, T)), dim=0)
+    return couplings(dots, anc, betas, T)
+
+
+def coupling_products(qs, ks, gam, anc, T: int):  # noqa: ANN001, ANN201 - traced by Helion
+    """The ``[K]`` products whose sums are the drafts' couplings (:func:`pair_terms`), in :func:`couplings`' order:
+    per ``t``, ``(k_u . k_t, k_u . q_t)`` for each ``u < t`` with ``k_u`` decayed to ``t``, then ``q_t . k_t``."""
+    prods = []
     for t in range(T):
         for u in range(t):
             ku_dec = ks[u] * torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
             prods += [ku_dec * ks[t], ku_dec * qs[t]]
         prods.append(ks[t] * qs[t])
-    dots = hl.reduce(add_tuple, tuple(prods), dim=0)
+    return prods
+
+
+def couplings(dots, anc, betas, T: int, rq=None, rk=None):  # noqa: ANN001, ANN201 - traced by Helion
+    """``(nk, mq)`` of :func:`pair_terms` from the sums ``dots`` of :func:`coupling_products` (more may follow them);
+    with ``rq``, ``rk`` (per draft) the sums are of raw vectors and ``q_t`` / ``k_t`` scale by ``rq[t]`` / ``rk[t]``."""
+    nk, mq = [], []
     i = 0
     for t in range(T):
         nrow, qrow = [], []
         for u in range(t):
-            nrow.append(betas[t] * anc[t][u] * dots[i])
-            qrow.append(anc[t][u] * dots[i + 1])
+            if rk is None:
+                nrow.append(betas[t] * anc[t][u] * dots[i])
+                qrow.append(anc[t][u] * dots[i + 1])
+            else:
+                nrow.append(betas[t] * anc[t][u] * (dots[i] * (rk[u] * rk[t])))
+                qrow.append(anc[t][u] * (dots[i + 1] * (rk[u] * rq[t])))
             i += 2
-        qrow.append(dots[i])
+        qrow.append(dots[i] if rk is None else dots[i] * (rk[t] * rq[t]))
         i += 1
         nk.append(nrow)
         mq.append(qrow)
@@ -138,12 +155,7 @@ def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T:
     with ``tot + Gam_t < -75`` (fp32, exact): > 0 exactly where :func:`min_log_decay` is below it; else None."""
     qf = [q_in[t].to(torch.float32) for t in range(T)]
     kf = [k_in[t].to(torch.float32) for t in range(T)]
-    prods = []  # as pair_terms: per t, (k_u . k_t, k_u . q_t) for each u < t, then q_t . k_t
-    for t in range(T):
-        for u in range(t):
-            ku_dec = kf[u] * torch.exp(torch.where(anc[t][u] > 0.5, gam[t] - gam[u], 0.0))
-            prods += [ku_dec * kf[t], ku_dec * qf[t]]
-        prods.append(kf[t] * qf[t])
+    prods = coupling_products(qf, kf, gam, anc, T)
     if use_l2norm:
         prods += [x * x for x in qf] + [x * x for x in kf]
     n = len(prods) - (2 * T if use_l2norm else 0)
@@ -158,18 +170,7 @@ def merged_terms(q_in, k_in, gam, anc, betas, scale: float, use_l2norm: bool, T:
         rk = [torch.rsqrt(sums[n + T + t] + 1e-6) for t in range(T)]
     else:
         rq, rk = [scale] * T, [1.0] * T
-    nk, mq = [], []
-    i = 0
-    for t in range(T):
-        nrow, qrow = [], []
-        for u in range(t):
-            nrow.append(betas[t] * anc[t][u] * (sums[i] * (rk[u] * rk[t])))
-            qrow.append(anc[t][u] * (sums[i + 1] * (rk[u] * rq[t])))
-            i += 2
-        qrow.append(sums[i] * (rk[t] * rq[t]))
-        i += 1
-        nk.append(nrow)
-        mq.append(qrow)
+    nk, mq = couplings(sums, anc, betas, T, rq, rk)
     below = sums[len(prods) - 1] if tot is not None else None
     return [qf[t] * rq[t] for t in range(T)], [kf[t] * rk[t] for t in range(T)], nk, mq, below
 
