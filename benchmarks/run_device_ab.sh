@@ -23,12 +23,15 @@ if [ -n "${TESTS:-}" ]; then
   grep -s "^===== FAILED" "$OUT/gpu_failures.log"
 fi
 sides="${BASE:+base} new${EDIT_ARGS:+ edit}"
+side_env() {  # path: the PYTHONPATH of side $1 (base: BASE's package first); extra: its bench options
+  if [ "$1" = base ]; then path=/tmp/site:$PWD/$BASE:$PWD; else path=/tmp/site:$PWD; fi
+  if [ "$1" = edit ]; then extra=$EDIT_ARGS; else extra=; fi
+}
 if [ "${BENCH:-step}" = spec ]; then
   for round in $(seq 1 "${ROUNDS:-1}"); do
     for run in ${SPEC_RUNS:-bf16:8 bf16:32 bf16:128 fp32:32 fp32:128}; do
       for side in $sides; do
-        if [ $side = base ]; then path=/tmp/site:$PWD/$BASE:$PWD; else path=/tmp/site:$PWD; fi
-        if [ $side = edit ]; then extra=$EDIT_ARGS; else extra=; fi
+        side_env $side
         out="$OUT/spec_${side}_${run/:/_b}_r$round"
         # shellcheck disable=SC2086  # SPEC_ARGS and EDIT_ARGS are lists of options
         PYTHONPATH=$path timeout 110 python3 benchmarks/bench_spec.py --batch "${run#*:}" --heads 32 \
@@ -45,8 +48,7 @@ bf16=${SHAPES_BF16-8x1,32x1,8x8,32x8,8x32,8x128,32x128,8x512}
 fp32=${SHAPES_FP32-8x8,32x128}
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for side in $sides; do
-    if [ $side = base ]; then path=/tmp/site:$PWD/$BASE:$PWD; else path=/tmp/site:$PWD; fi
-    if [ $side = edit ]; then extra=$EDIT_ARGS; else extra=; fi
+    side_env $side
     echo "== $(date +%T) $side r$round"
     for spec in "bf16 $bf16" "fp32 $fp32"; do
       set -- $spec
