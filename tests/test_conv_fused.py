@@ -21,6 +21,8 @@ from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.kernels.plan import FUSE_CONV_FROM, H200_SMS, DecodeProblem, conv_readers, fusable, plan_decode
 from tp_replayssm.testing import random_decode_inputs, random_head_params
 
+from _decode_scenario import record_kernel_args
+
 K = V = 16
 L, S = 4, 6
 SENTINEL = 1234.5
@@ -80,6 +82,10 @@ def test_plan_check_refuses_a_fused_conv_the_call_cannot_run() -> None:
         dataclasses.replace(plan, fused_conv=0).check(prob)
     with pytest.raises(ValueError, match="`fused_conv` must be 0, 1 or 2; got 5"):
         dataclasses.replace(plan, fused_conv=5).check(prob)
+    for edit in (dict(early_qk=False), dict(fused_conv=0, conv_readers=0)):  # the count before the verdict only
+        with pytest.raises(ValueError, match="`relaxed_conv_count` is a form of the counted conv before the verdict"):
+            dataclasses.replace(plan, relaxed_conv_count=True, **edit).check(prob)
+    dataclasses.replace(plan, relaxed_conv_count=True).check(prob)
     dataclasses.replace(plan, fused_conv=0, conv_readers=0).check(prob)  # two launches: always allowed
     big = problem(128, 32, 32)
     dataclasses.replace(plan_decode(big, fuse_conv=True), fused_conv=2, conv_readers=1).check(big)
@@ -233,6 +239,23 @@ def test_fused_conv_after_the_verdict_in_the_interpreter(interpreter: None, H: i
         p.check()
 
 
+@pytest.mark.parametrize("H, HV, slots", [(1, 2, [3, -1, 0, 2]), (1, 4, [2, -1, 3, 0, -1, -1, -1, -1])],
+                         ids=["tiny", "one-program-per-tile"])
+def test_fused_relaxed_count_in_the_interpreter(interpreter: None, monkeypatch: pytest.MonkeyPatch, H: int, HV: int,
+                                                slots: list[int]) -> None:
+    """Mode 2 with the q/k windows' reader count relaxed (``relaxed_conv_count``, a plan edit: the count's increment
+    computed from q and k instead of fences around it): bit for bit the two launches over a ring cycle and a flush,
+    the counters zero again, on the tiny-batch path and on the path of one program per value tile (4 readers);
+    against the float64 conv1d feeding the PyTorch decode too."""
+    seen = record_kernel_args(monkeypatch, "fused_conv", "relaxed_conv_count")
+    pools = fused_and_two_launch_steps(H, HV, torch.float32, slots, fused_edit={"relaxed_conv_count": True},
+                                       oracle=True)
+    assert (2, True) in seen and (0, False) in seen, set(seen)  # the edit reached the fused launches
+    assert plan_of(pools[0], len(slots), False).tiny_batch == (len(slots) == 4)
+    for p in pools[:2]:
+        p.check()
+
+
 def test_fused_mode3_rebase_in_the_interpreter(interpreter: None) -> None:
     """The rebase as a pass of its own (``predecayed_ring`` 3, a plan edit) with gates that pass the bound: the fused
     launch's pass reads this step's delta back from the ring (the post-conv v is gone by then); against the two
@@ -248,11 +271,13 @@ def test_fused_sglang_layout_in_the_interpreter(interpreter: None) -> None:
     assert plan_of(pools[0], 3, False).fused_conv == 1
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["after-verdict", "early-loads"])
-def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool) -> None:
+@pytest.mark.parametrize("early, relaxed", [(False, False), (True, False), (True, True)],
+                         ids=["after-verdict", "early-loads", "relaxed-count"])
+def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool, relaxed: bool) -> None:
     """Rows naming a slot out of range, free or twice: zero outputs, no byte of any slot written (windows, states,
     rings, cursors), recorded once as decode; the counters zero again; the good rows as the two launches give them.
-    With ``early_qk`` the bad rows' windows are read before their verdict and still never written."""
+    With ``early_qk`` the bad rows' windows are read before their verdict and still never written (and with
+    ``relaxed_conv_count`` never counted)."""
     slots = [0, S, 4, 1, 3, 3, 2, -1]  # rows 1-5 bad
     pools = [make_pool(1, 2, torch.float32) for _ in range(2)]
     clean = [-1 if r in (1, 2, 3, 4, 5) else s for r, s in enumerate(slots)]
@@ -265,7 +290,7 @@ def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool) -> No
         with use_cpu_backend("interpreter"):
             pool.decode(1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, torch.tensor(ids, dtype=torch.int32),
                         conv_weight=weight, conv_bias=bias, advance=True, out=out,
-                        plan=dataclasses.replace(plan_of(pool, 8, True), early_qk=early))
+                        plan=dataclasses.replace(plan_of(pool, 8, True), early_qk=early, relaxed_conv_count=relaxed))
         outs.append(out)
     assert torch.equal(outs[0], outs[1]) and (outs[0][1:6] == 0).all()
     for name in STATE_TENSORS:
@@ -348,6 +373,45 @@ def test_fused_programs_compile_for_sm90_within_the_budget() -> None:
             assert r["stack"] == 0 and r["regs"] <= 168, r
 
 
+RELAXED_SCRIPT = """
+import dataclasses, json
+from benchmarks.kernel_regs import kernel_resources
+from benchmarks.plan_args import build_plan
+from benchmarks.sass_loops import parse
+rows = {}
+for batch, hv, advance in ((8, 32, True), (1, 8, False)):
+    plan = build_plan(batch=batch, heads=hv, state="bf16", layout="predecayed", advance=advance, cursor_table=True,
+                      conv_kernel_size=4, fuse_conv=True)
+    for relaxed in (False, True):
+        r = kernel_resources(dataclasses.replace(plan, relaxed_conv_count=relaxed), "bf16", hv, with_sass=True)
+        ins = [t for _, t in parse(r.pop("sass"))]
+        count = lambda op: sum(op in t for t in ins)
+        rows[f"B{batch} HV{hv} {relaxed}"] = dict(fused=plan.fused_conv, early=plan.early_qk, tiny=plan.tiny_batch,
+                                                  membar=count("MEMBAR"), cctl=count("CCTL"), f2i=count("F2I"),
+                                                  stack=r["stack"])
+print("RESULT " + json.dumps(rows))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_relaxed_count_drops_the_fences_on_sm90() -> None:
+    """``relaxed_conv_count`` on sm_90 (the H200's triton; HV32 B8 bf16 with the fused advance, one-warp programs,
+    and HV8 B1, the 4-warp tiny path): the library's mode 2 count is fenced (``MEMBAR.ALL.GPU`` before the atomic,
+    ``CCTL.IVALL`` after it); the relaxed one has neither, its increment comes from q and k (the one ``F2I`` more:
+    their sum made an int, which the dependency needs), and the stack is the library's."""
+    from test_kernel_regs import _run_with_h200_triton
+
+    rows = _run_with_h200_triton(RELAXED_SCRIPT)
+    for shape in ("B8 HV32", "B1 HV8"):
+        lib, relaxed = rows[f"{shape} False"], rows[f"{shape} True"]
+        assert lib["fused"] == 2 and lib["early"], lib
+        assert lib["membar"] == 1 and lib["cctl"] == 1, lib
+        assert relaxed["membar"] == 0 and relaxed["cctl"] == 0, relaxed
+        assert relaxed["f2i"] == lib["f2i"] + 1, (lib, relaxed)
+        assert relaxed["stack"] == lib["stack"], (lib, relaxed)
+    assert rows["B1 HV8 False"]["tiny"] and not rows["B8 HV32 False"]["tiny"]
+
+
 # ---- the GPU --------------------------------------------------------------------------------------
 
 
@@ -378,17 +442,22 @@ def gpu_pools(H: int, HV: int, B: int, state: torch.dtype) -> tuple[list[ReplayS
     return pools, slots.cuda()
 
 
+GPU_SHAPES = [(32, 32, 128, torch.bfloat16), (8, 8, 8, torch.bfloat16), (2, 8, 64, torch.float32),
+              (4, 4, 1, torch.bfloat16), (32, 32, 8, torch.float32)]
+GPU_FORMS = {"after-verdict": dict(early_qk=False), "early-loads": dict(early_qk=True),
+             "relaxed-count": dict(early_qk=True, relaxed_conv_count=True)}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("H,HV,B,state", [(32, 32, 128, torch.bfloat16), (8, 8, 8, torch.bfloat16),
-                                          (2, 8, 64, torch.float32), (4, 4, 1, torch.bfloat16),
-                                          (32, 32, 8, torch.float32)])
-@pytest.mark.parametrize("early", [False, True], ids=["after-verdict", "early-loads"])
-def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype, early: bool) -> None:
+@pytest.mark.parametrize("H,HV,B,state,form", [(*shape, form) for shape in GPU_SHAPES for form in GPU_FORMS
+                                               # (the relaxed count is mode 2's: every shape but the first)
+                                               if form != "relaxed-count" or shape[2] != 128])
+def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype, form: str) -> None:
     """On CUDA, a full ring cycle and a flush of two layers (the fused advance on the last): the fused launch (the
     plan with ``fuse_conv=True``, the conv after the slot's verdict or, with ``early_qk``, its loads and math before
-    it) and the two launches (that plan with fused_conv=0) on twin pools agree: windows and cursors bit for bit,
-    outputs, checkpoints and rings within bf16 rounding; the other windows keep their sentinels; bad rows are zero and
-    recorded once."""
+    it, or that form with the reader count relaxed) and the two launches (that plan with fused_conv=0) on twin pools
+    agree: windows and cursors bit for bit, outputs, checkpoints and rings within bf16 rounding; the other windows
+    keep their sentinels; bad rows are zero and recorded once."""
     pools, slots = gpu_pools(H, HV, B, state)
     D = pools[0].conv_channels
     gen = torch.Generator().manual_seed(3)
@@ -402,7 +471,8 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
             plan = plan_decode(problem(B, H, HV, state=state, advance=layer == 1), fuse_conv=True)
             assert plan.fused_conv
             two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
-            plan = dataclasses.replace(plan, early_qk=early)
+            plan = dataclasses.replace(plan, **GPU_FORMS[form])
+            assert plan.fused_conv == 2 or form != "relaxed-count", plan
             outs = [p.decode(layer, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots, conv_weight=weight,
                              conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], plan),
                                                                                        (pools[1], two))]

@@ -8,7 +8,8 @@ checkpoint: the state is never materialized on the every-step path (``S' @ k = S
 The constexprs say what the launch is (:class:`tp_replayssm.kernels.plan.DecodePlan` sets every one of them):
 ``predecayed_ring`` the ring layout and its rebase form, ``cursors_by_slot`` per-row cursors (the op) or the pool's
 cursor table, ``advance_cursors`` the fused cursor advance (``late_count``: its reader count after the row's loads),
-``early_qk`` and ``pinned_loads`` what goes out before the slot's verdict, ``tiny_batch`` the latency path,
+``early_qk`` and ``pinned_loads`` what goes out before the slot's verdict, ``relaxed_conv_count`` the fused conv's
+count without fences, ``tiny_batch`` the latency path,
 ``chunks_on_tensor_cores`` and ``vector_tiles`` the chunk loop's form. Caches
 arrive as overlapping row views with element strides (:mod:`tp_replayssm.kernels.args`), so any strides with a
 contiguous last dim work without copies; offsets are int64.
@@ -81,6 +82,7 @@ def replayssm_decode_kernel(
     late_count: hl.constexpr = False,  # the fused advance's reader count after the row's loads (plan.late_count_rule)
     early_qk: hl.constexpr = False,  # q, k (fused_conv: the conv) loaded, computed before the verdict (plan)
     pinned_loads: hl.constexpr = False,  # the row's loads kept above the verdict's branch (DecodePlan.pinned_loads)
+    relaxed_conv_count: hl.constexpr = False,  # fused_conv 2, early_qk: the count without fences (docs/conv.md)
 ) -> torch.Tensor:
     """One decode step: outputs, ring appends and flush-row checkpoint writes (docs/kernel_design.md)."""
     B = q3.size(0)
@@ -208,7 +210,15 @@ def replayssm_decode_kernel(
                                                   conv_size, fused_conv, q_u, k_u, v_u, v_post)
                     if fused_conv == 2:  # counted right after the conv (conv_stores' barrier: this program's window
                         # reads are done): the last of the head's readers writes the q/k windows from its registers
-                        seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
+                        if relaxed_conv_count:  # a relaxed count that adds 1 computed from q and k, so from every
+                            # q/k window value read here: it cannot issue before they have returned (num_slots >> 31
+                            # is 0: an int32 count); the writer stores after seeing every count (docs/conv.md,
+                            # "The count without fences")
+                            qk_bits = torch.sum(q + k, dim=0).to(torch.int32)
+                            step = 1 + (qk_bits & ((slot * 0 + num_slots) >> 31))
+                            seen = hl.atomic_add(conv_counters, [s64 * H + h], step)
+                        else:
+                            seen = hl.atomic_add(conv_counters, [s64 * H + h], 1, sem="acq_rel")
                         if seen == conv_readers - 1:
                             conv_qk_store(conv_rows, q3, h, H, kk, cv_row, cv_d, shifted, to_col, q_u, k_u)
                             conv_counters[s64 * H + h] = seen * 0

@@ -128,6 +128,8 @@ class DecodePlan:
     pinned_loads: bool = False  # the row's loads (first checkpoint chunk, last gate row, inputs, the gate's
     # parameters) kept above the slot's verdict branch, which ptxas otherwise sinks them into: a plan edit, not yet
     # timed, so no rule sets it (docs/tuning.md, "Slot checks")
+    relaxed_conv_count: bool = False  # fused_conv 2 with early_qk: the q/k windows' reader count without the fences,
+    # ordered by a dependency on the windows read (docs/conv.md, "The count without fences"); a plan edit, not yet timed
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -146,7 +148,8 @@ class DecodePlan:
                     chunks_on_tensor_cores=self.tensor_core_chunks, predecayed_ring=self.predecayed_ring,
                     advance_cursors=self.advance_readers, vector_tiles=self.vector_tiles, named_block=self.named_block,
                     on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers,
-                    late_count=self.late_count, early_qk=self.early_qk, pinned_loads=self.pinned_loads)
+                    late_count=self.late_count, early_qk=self.early_qk, pinned_loads=self.pinned_loads,
+                    relaxed_conv_count=self.relaxed_conv_count)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -190,6 +193,10 @@ class DecodePlan:
         """The fused conv's fields against ``problem`` (:func:`fused_conv_mode`)."""
         if self.fused_conv not in (0, 1, 2):
             raise ValueError(f"DecodePlan: `fused_conv` must be 0, 1 or 2; got {self.fused_conv}")
+        if self.relaxed_conv_count and not (self.fused_conv == 2 and self.early_qk):
+            raise ValueError(f"DecodePlan: `relaxed_conv_count` is a form of the counted conv before the verdict: it "
+                             f"needs fused_conv 2 and early_qk; got fused_conv={self.fused_conv}, "
+                             f"early_qk={self.early_qk}")
         if not self.fused_conv:
             if self.conv_readers:
                 raise ValueError(f"DecodePlan: `conv_readers` must be 0 without a fused conv; got {self.conv_readers}")
