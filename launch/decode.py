@@ -113,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the scheduling, activations and weights")
     p.add_argument("--timeout", type=float, default=300.0, help="main process group timeout, seconds")
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
-                   help="demonstrate a placement error (the last rank is misplaced or disagrees), or with bad-slot a "
-                        "slot id out of range in step 1 on every rank (the kernels refuse the row; pool.check() "
-                        "raises SlotError)")
+                   help="demonstrate a placement error (the last rank is misplaced or disagrees; same-device needs "
+                        "--device cuda), or with bad-slot a slot id out of range in step 1 on every rank (the kernels "
+                        "refuse the row; pool.check() raises SlotError)")
     p.add_argument("--corrupt-output", action="store_true",
                    help="self-test of the verification: the last rank perturbs one decode output (exits non-zero)")
     return p

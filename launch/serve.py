@@ -124,6 +124,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         lo, hi = getattr(args, name)
         if not 1 <= lo <= hi:
             p.error(f"--{name.replace('_', '-')} needs 1 <= MIN <= MAX; got {lo} {hi}")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # (the sharding rule, docs/contract.md, with the flags named)
+    if args.v_heads % args.heads:
+        p.error(f"--v-heads must be a multiple of --heads; got --heads {args.heads} --v-heads {args.v_heads}")
+    if args.v_heads % ranks:
+        p.error(f"--v-heads must split evenly over the {ranks} ranks (--nproc-per-node); got {args.v_heads}")
+    if args.heads % ranks and ranks % args.heads:
+        p.error(f"--heads must split evenly over the {ranks} ranks (--nproc-per-node) or divide their number (each "
+                f"q/k head then replicated); got {args.heads}")
     if args.reference == "fla" and importlib.util.find_spec("fla") is None:
         p.error("--reference fla needs flash-linear-attention 0.6.0 (pip install -e .[fla]); --reference plain "
                 "needs nothing")

@@ -294,8 +294,16 @@ def test_decode_conv_argument_errors() -> None:
     snapshot = pool.conv_state.clone()
     with pytest.raises(ValueError, match="`conv_bias` given without `conv_weight`"):
         pool.decode(*call, conv_bias=bias)
-    with pytest.raises(ValueError, match=r"`weight` must .*\[64, 4\]"):
+    # the decode's names for the conv's arguments (not conv_update's x, weight, bias)
+    with pytest.raises(ValueError, match=r"`conv_weight` must .*\[64, 4\]; got \[64, 3\]"):
         pool.decode(*call, conv_weight=weight[:, :3])
+    with pytest.raises(ValueError, match=r"`conv_weight` must be of shape \[64, 4\]; got \[64, 1, 4\] .*"
+                                         r"pass weight\[:, 0\]"):
+        pool.decode(*call, conv_weight=weight[:, None])  # nn.Conv1d's / FLA's depthwise weight [D, 1, W]
+    with pytest.raises(ValueError, match=r"`conv_bias` must .*\[64\]"):
+        pool.decode(*call, conv_weight=weight, conv_bias=bias[:5])
+    with pytest.raises(ValueError, match=r"`mixed_qkv` must be \[B, D\] or \[B, T, D\] with T >= 1 and D = 64"):
+        pool.decode(1, inp.mixed_qkv[:, :5], *call[2:], conv_weight=weight)
     # the decode's own arguments are checked before the conv moves any window
     with pytest.raises(ValueError, match="`a`"):
         pool.decode(1, inp.mixed_qkv, inp.a[:, :5], inp.b, params.A_log, params.dt_bias, i32([0, 2]),
@@ -307,7 +315,7 @@ def test_decode_conv_argument_errors() -> None:
     assert torch.equal(pool.conv_state, snapshot)
     plain = ReplaySSMStatePool(KDAHeads(H, HV, K, V), num_layers=2, num_slots=S, ring_length=L, device="cpu")
     plain.alloc(3)
-    with pytest.raises(ValueError, match="holds no conv state"):
+    with pytest.raises(ValueError, match="`conv_weight` given, but this pool holds no conv state"):
         plain.decode(*call, conv_weight=weight)
 
 

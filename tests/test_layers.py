@@ -428,6 +428,12 @@ def test_from_fla_refuses_what_decode_does_not_compute() -> None:
         KDALayerConfig.from_fla(fake(o_norm=NS(activation="swish", weight=torch.ones(16), eps=1e-5)))
     with pytest.raises(ValueError, match="fla.layers.KimiDeltaAttention"):
         KDALayerConfig.from_fla(object())
+    layer = fake(state_dict=dict)  # (no weights: the pool's check comes first)
+    pool = _pool(KDALayerConfig.from_fla(layer), 0, 1)
+    with pytest.raises(ValueError, match=r"^TPKimiDeltaAttention\.from_fla: `layer_idx` must be an int in"):
+        TPKimiDeltaAttention.from_fla(layer, pool=pool, layer_idx=1)
+    with pytest.raises(ValueError, match=r"^TPKimiDeltaAttention\.from_fla: .*tp_size"):
+        TPKimiDeltaAttention.from_fla(layer, pool=pool, layer_idx=0, tp_size=3)
     kimi = {"hidden_size": 2304, "rms_norm_eps": 1e-6,
             "linear_attn_config": {"num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4}}
     assert KDALayerConfig.from_kimi_config(kimi) == KDALayerConfig(2304, 32, 32, 128, 128, 128, conv_size=4,

@@ -630,6 +630,9 @@ def test_decode_and_state_calls_reject_bad_input():
             pool.advance(bad)
     with pytest.raises(ValueError, match="mixed_qkv"):  # the op's own check passes through
         pool.decode(0, inp.mixed_qkv[:, :-1], *args[1:], pad)
+    for bound in (5.0, float("inf")):  # a gate that grows the state, or none at all
+        with pytest.raises(ValueError, match=r"`lower_bound` must be None or a finite float <= 0"):
+            pool.decode(0, *args, pad, lower_bound=bound)
     with pytest.raises(ValueError, match="out"):
         pool.decode(0, *args, pad, out=torch.empty(B, 1, 2, VD, dtype=torch.float16, device=DEV))
     for ff in (pad.long(), i32([0] * (B - 1)), [0] * B):
@@ -670,6 +673,49 @@ def test_decode_batch_mismatch_names_the_tensor_and_slots():
     with pytest.raises(ValueError, match="`force_flush`") as info:
         pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad, force_flush=pad[: B - 1])
     assert "ssm_state_indices" not in str(info.value), info.value
+
+
+def test_later_decode_errors_name_the_callers_arguments():
+    """After a layer's first decode (whose placement check names a misplaced input as a PlacementError) the call's
+    own checks still speak of the caller's arguments: a misplaced ``mixed_qkv`` is named against the pool's device
+    (not the pool's own tensors against it), and a wrong width gives the width this rank's shard expects (the
+    pre-decayed layout cannot infer the q/k heads from the caches)."""
+    pool = make_pool(num_layers=1)
+    assert pool.ring_layout == "predecayed"
+    pool.alloc(2)
+    p = params_for(2)
+    inp = small_inputs()
+    pad = i32([0, 1, -1, -1])
+    pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, pad)
+    with pytest.raises(ValueError, match="not on it: mixed_qkv \\(meta\\)$") as info:
+        pool.decode(0, inp.mixed_qkv.to("meta"), inp.a, inp.b, p.A_log, p.dt_bias, pad)
+    assert f"must be on the pool's device {DEV}" in str(info.value), info.value
+    D = inp.mixed_qkv.shape[1]
+    with pytest.raises(ValueError, match=rf"`mixed_qkv` must be of shape \[{B}, {D}\]; got \[{B}, {D - 1}\]"):
+        pool.decode(0, inp.mixed_qkv[:, 1:], inp.a, inp.b, p.A_log, p.dt_bias, pad)
+
+
+def test_sharding_errors_name_the_call():
+    """A tensor-parallel size the heads cannot split over is refused by the call the user made."""
+    heads = KDAHeads(2, 4, KD, VD)
+    with pytest.raises(ValueError, match=r"^ReplaySSMStatePool: value heads must split evenly .*tp=3"):
+        ReplaySSMStatePool(heads, num_layers=1, num_slots=S, ring_length=L, device="cpu", tp_size=3, tp_rank=0)
+    with pytest.raises(ValueError, match=r"^ReplaySSMStatePool: `tp_rank` must be an int in \[0, tp_size=2\)"):
+        ReplaySSMStatePool(heads, num_layers=1, num_slots=S, ring_length=L, device="cpu", tp_size=2, tp_rank=2)
+    with pytest.raises(ValueError, match=r"^slots_that_fit: value heads must split evenly"):
+        slots_that_fit(heads, tp_size=3, num_layers=1, ring_length=L, budget_bytes=2**20)
+
+
+def test_cpu_with_an_index_is_the_cpu():
+    """``device="cpu:0"`` (or ``torch.device("cpu", 0)``) names the CPU, where torch keeps every tensor on "cpu"."""
+    for device in ("cpu:0", torch.device("cpu", 0)):
+        pool = ReplaySSMStatePool(SMALL, num_layers=1, num_slots=S, ring_length=L, device=device)
+        assert pool.device == torch.device("cpu")
+        ids = pool.alloc(1)
+        inp = random_decode_inputs(1, 1, 2, KD, VD, dtype=torch.float32)
+        p = random_head_params(2, KD)
+        out = pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, ids)
+        assert out.device == torch.device("cpu") and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["eager", "debug"])

@@ -132,6 +132,13 @@ def test_serve_help_and_bad_arguments() -> None:
     for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"]):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, (bad, run.stderr)
+    # heads the ranks cannot share: refused naming the flags, before any rank starts (WORLD_SIZE: torchrun's)
+    for bad, world, text in ((["--v-heads", "3"], "1", "--v-heads must be a multiple of --heads; got --heads 2"),
+                             ([], "3", "--v-heads must split evenly over the 3 ranks (--nproc-per-node); got 4"),
+                             (["--heads", "3", "--v-heads", "6"], "2", "--heads must split evenly over the 2 ranks")):
+        run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "WORLD_SIZE": world})
+        assert run.returncode == 2 and text in run.stderr, (bad, world, run.stderr)
 
 
 SPEC_ARGS = ("--requests", "7", "--batch", "3", "--prompt-len", "2", "13", "--new-tokens", "4", "14",

@@ -371,6 +371,36 @@ def test_debug_mode_raises_at_the_call() -> None:
         pool.commit(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32))
 
 
+def test_debug_mode_refuses_slots_between_verify_and_commit() -> None:
+    """Debug mode: a verified slot waits for the commit (docs/spec.md): a decode, an advance, a conv update or a fork
+    naming it in between raises SlotError at the call and writes nothing; other slots decode in the same step; after
+    the commit the slot decodes again."""
+    pool = build(KDAHeads(1, 2, K, V), L=4, debug=True, conv_kernel_size=4)
+    gen = torch.Generator().manual_seed(3)
+    model = make_model(pool, gen, conv=True)
+    ids = pool.alloc(3)
+    verified, other = ids[:2], ids[2:]
+    d = random_drafts(pool, 2, 2, gen)
+    verify_all(pool, model, d, verified)
+    snap = {n: getattr(pool, n).clone() for n in ("checkpoint", "d_cache", "cursors", "conv_state")}
+    x = random_decode_inputs(1, 1, 2, K, V, dtype=torch.float32, generator=gen)
+    p = model.params[0]
+    calls = {"decode": lambda s: pool.decode(0, x.mixed_qkv, x.a, x.b, p.A_log, p.dt_bias, s, **model.conv_kw(0)),
+             "advance": lambda s: pool.advance(s),
+             "conv_update": lambda s: pool.conv_update(0, x.mixed_qkv, model.conv[0], s),
+             "fork": lambda s: pool.fork(s, other)}
+    for name, call in calls.items():
+        with pytest.raises(SlotError, match=rf"{name}.*\(debug check\).*between a verify and its commit.*"
+                                            rf"\[{int(verified[1])}\]"):
+            call(verified[1:])
+    for n, t in snap.items():
+        assert torch.equal(getattr(pool, n), t), n
+    decode_step(pool, model, [random_decode_inputs(1, 1, 2, K, V, dtype=torch.float32, generator=gen)] * 2, other)
+    pool.commit(verified, torch.tensor([1, 2], dtype=torch.int32))
+    decode_step(pool, model, [random_decode_inputs(2, 1, 2, K, V, dtype=torch.float32, generator=gen)] * 2, verified)
+    pool.check()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU pools: a machine without CUDA (a group's pool "
                     "lives on the rank's current device)")
 def test_tp_equivalence_on_gloo(tmp_path) -> None:  # noqa: ANN001 - pytest fixture

@@ -11,6 +11,7 @@ the actual one. :func:`validate_decode_once` runs the tensor checks in full once
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import NamedTuple
@@ -127,12 +128,13 @@ def check_ring_layout(ring_layout: object, cache_dtype: torch.dtype, where: str)
 
 
 def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_table: bool = False,
-                    where: str = "replayssm_decode") -> DecodeDims:
+                    where: str = "replayssm_decode", num_q_heads: int | None = None) -> DecodeDims:
     """Check every argument of a decode call; return its sizes.
 
     ``cursor_table``: ``write_pos`` is the pool's cursor table ``[S + 1]`` indexed by slot, not one cursor per row
     ``[B]``. In the pre-decayed layout ``k_cache`` is ``[S, HV, L, K]`` and the q/k head count comes from
-    ``mixed_qkv``'s width."""
+    ``mixed_qkv``'s width, unless the caller knows it (``num_q_heads``: the pool's shard), so that a wrong width is
+    reported with the width expected."""
     (mixed_qkv, a, b, A_log, dt_bias, scale, initial_state, d_cache, k_cache, g_cache, out, slots, write_pos,
      force_flush, _, lower_bound) = call
     predecayed = ring_layout == "predecayed"
@@ -150,7 +152,9 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         raise _fail(where, "k_cache", f"a 4-D tensor [S, {'HV' if predecayed else 'H'}, L, K]", describe(k_cache))
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
         raise _fail(where, "mixed_qkv", "a 2-D tensor [B, 2*H*K + HV*V]", describe(mixed_qkv))
-    if predecayed:  # the k ring is per value head: the q/k heads come from mixed_qkv's width 2*H*K + HV*V
+    if predecayed and num_q_heads is not None:
+        H = num_q_heads
+    elif predecayed:  # the k ring is per value head: the q/k heads come from mixed_qkv's width 2*H*K + HV*V
         qk_width = mixed_qkv.shape[1] - HV * V
         H = qk_width // (2 * K)
         if qk_width < 2 * K or qk_width % (2 * K) != 0 or HV % H != 0:
@@ -184,13 +188,22 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         check_tensor(where, "force_flush", force_flush, ((B,),), (torch.int32,), last_contiguous=False)
     _check_scalars(where, scale, lower_bound)
     check_ring_layout(ring_layout, d_cache.dtype, where)
-    device = mixed_qkv.device
-    wrong = [f"{name} ({getattr(call, name).device})" for name in CALL_TENSORS
-             if getattr(call, name) is not None and getattr(call, name).device != device]
+    devices = {name: getattr(call, name).device for name in CALL_TENSORS if getattr(call, name) is not None}
+    if cursor_table:  # the pool's calls: its state fixes the device, and the caller's tensors are named against it
+        device, owner = initial_state.device, "the pool's device"
+    else:  # the op: the device most of its tensors share (the state's on a tie), so the error names the odd ones
+        votes = collections.Counter(devices.values())
+        device = max(votes, key=lambda d: (votes[d], d == initial_state.device))
+        owner = "one device; most are on"
+    wrong = [f"{_USER_NAMES.get(name, name) if cursor_table else name} ({d})" for name, d in devices.items()
+             if d != device]
     if wrong:
-        raise ValueError(f"{where}: every tensor must be on mixed_qkv's device {device}; not on it: "
-                         f"{', '.join(wrong)}")
+        raise ValueError(f"{where}: every tensor must be on {owner} {device}; not on it: {', '.join(wrong)}")
     return DecodeDims(batch=B, num_q_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, ring_length=L, num_slots=S)
+
+
+# the pool's calls name the row slots `slots` and the cursor table `cursors` (the op's ssm_state_indices, write_pos)
+_USER_NAMES = {"ssm_state_indices": "slots", "write_pos": "cursors"}
 
 
 def _batch(where: str, per_row: dict[str, object]) -> int:
@@ -216,8 +229,10 @@ def _batch(where: str, per_row: dict[str, object]) -> int:
 def _check_scalars(where: str, scale: float | None, lower_bound: float | None) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise _fail(where, "scale", "None or a finite float", repr(scale))
-    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)):
-        raise _fail(where, "lower_bound", "None or a finite float", repr(lower_bound))
+    if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
+                                        and lower_bound <= 0):  # the gate lower_bound * sigmoid(.) is a log-decay
+        raise _fail(where, "lower_bound", "None or a finite float <= 0 (the gate is lower_bound * sigmoid(...), a "
+                    "log-decay)", repr(lower_bound))
 
 
 # Metadata signatures of the calls validate_decode has accepted, with their sizes (validate_decode_once). Emptied
@@ -227,7 +242,7 @@ ACCEPTED_MAX = 4096
 
 
 def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", cursor_table: bool = False,
-                         where: str = "replayssm_decode") -> DecodeDims:
+                         where: str = "replayssm_decode", num_q_heads: int | None = None) -> DecodeDims:
     """:func:`validate_decode`, run in full only for a call whose metadata it has not accepted before.
 
     Every tensor check depends only on each argument's type, dtype, shape, strides and device, the presence of
@@ -235,7 +250,7 @@ def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", curso
     signature checks only ``scale`` and ``lower_bound``; any other call runs the full checks. The eager op calls
     this on every step, where the full checks cost 15-17 us of host time and a repeat 7 us (2-core CPU machine)."""
     try:
-        signature = (ring_layout, cursor_table, where) + tuple(
+        signature = (ring_layout, cursor_table, where, num_q_heads) + tuple(
             None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
             for t in (call.mixed_qkv, call.a, call.b, call.A_log, call.dt_bias, call.initial_state, call.d_cache,
                       call.k_cache, call.g_cache, call.out, call.ssm_state_indices, call.write_pos, call.force_flush))
@@ -245,7 +260,8 @@ def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", curso
     if dims is not None:
         _check_scalars(where, call.scale, call.lower_bound)
         return dims
-    dims = validate_decode(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
+    dims = validate_decode(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where,
+                           num_q_heads=num_q_heads)
     if signature is not None:
         if len(_ACCEPTED) >= ACCEPTED_MAX:
             _ACCEPTED.clear()

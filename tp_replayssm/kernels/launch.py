@@ -35,7 +35,8 @@ def plan_for(call: DecodeCall, dims: DecodeDims, *, ring_layout: str, cursor_tab
 
 def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False, advance: bool = False,
                plan: DecodePlan | None = None, guard: SlotGuard | None = None,
-               where: str = "replayssm_decode", conv: FusedConv | None = None) -> DecodeDims:
+               where: str = "replayssm_decode", conv: FusedConv | None = None,
+               num_q_heads: int | None = None) -> DecodeDims:
     """Validate and run one decode call in place (module docstring); returns its sizes.
 
     ``cursor_table``: ``call.write_pos`` is the pool's cursor table ``[S + 1]``; ``advance`` (with it) moves those
@@ -43,10 +44,12 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
     replaces the library's launch plan (benchmarks, tests); it must fit the call (:meth:`DecodePlan.check`).
     ``guard``: the pool's error record and this call's code (slot safety); the op passes none. ``conv``: the pool's
     conv, which this launch runs on the pre-conv ``mixed_qkv`` (the pool's path, where kernels run and the plan fuses
-    it: ``plan.fused_conv``; :func:`tp_replayssm.pool.conv.decode_with_conv` decides)."""
+    it: ``plan.fused_conv``; :func:`tp_replayssm.pool.conv.decode_with_conv` decides). ``num_q_heads``: the pool's
+    q/k heads, for the checks (:func:`~tp_replayssm.validation.validate_decode`)."""
     if advance and not cursor_table:
         raise ValueError(f"{where}: advance=True needs the pool's cursor table [S + 1] as `write_pos`")
-    dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where)
+    dims = validate_decode_once(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where,
+                                num_q_heads=num_q_heads)
     device = call.mixed_qkv.device
     kernel = runs_kernel(device, where)
     W = 0 if conv is None else conv.weight.shape[1]

@@ -103,8 +103,9 @@ class TPKimiDeltaAttention(torch.nn.Module):
         (:meth:`KDALayerConfig.from_fla`) and slices of its ``state_dict()``. ``tp_rank``/``tp_size`` default to
         ``group``'s rank and size, else the pool's; they must be the pool's. ``dtype`` defaults to the FLA layer's."""
         config = KDALayerConfig.from_fla(fla_layer)
-        return cls.from_state_dict(fla_layer.state_dict(), config, pool=pool, layer_idx=layer_idx, group=group,
-                                   tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, prefill_backend=prefill_backend)
+        return cls._from_tensors(fla_layer.state_dict(), config, pool=pool, layer_idx=layer_idx, prefix="",
+                                 group=group, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype,
+                                 prefill_backend=prefill_backend, where="TPKimiDeltaAttention.from_fla")
 
     @classmethod
     def from_state_dict(cls, tensors: Mapping[str, Any], config: KDALayerConfig, *, pool: ReplaySSMStatePool,
@@ -115,12 +116,20 @@ class TPKimiDeltaAttention(torch.nn.Module):
         ``g_a_proj``/``g_b_proj``, ``A_log [1, 1, HV, 1]``), each name after ``prefix``. Only the rank's slices are
         read (:func:`~tp_replayssm.layers.weights.read_shard`), so ``tensors`` may hold lazy slices of a checkpoint
         (safetensors' ``get_slice``). ``dtype`` defaults to that of ``q_proj.weight``."""
-        where = "TPKimiDeltaAttention.from_state_dict"
+        return cls._from_tensors(tensors, config, pool=pool, layer_idx=layer_idx, prefix=prefix, group=group,
+                                 tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, prefill_backend=prefill_backend,
+                                 where="TPKimiDeltaAttention.from_state_dict")
+
+    @classmethod
+    def _from_tensors(cls, tensors: Mapping[str, Any], config: KDALayerConfig, *, pool: ReplaySSMStatePool,
+                      layer_idx: int, prefix: str, group: object | None, tp_rank: int | None, tp_size: int | None,
+                      dtype: torch.dtype | None, prefill_backend: str, where: str) -> TPKimiDeltaAttention:
+        """:meth:`from_state_dict`, its errors starting with ``where`` (the public constructor called)."""
         if not isinstance(config, KDALayerConfig):
             raise ValueError(f"{where}: `config` must be a KDALayerConfig; got {type(config).__name__}")
         _check_pool(config, pool, layer_idx, where)
         tp_rank, tp_size = _tp_coords(group, tp_rank, tp_size, pool, where)
-        shard = shard_heads(config.heads, tp_size, tp_rank)
+        shard = shard_heads(config.heads, tp_size, tp_rank, where=where)
         weights = read_shard(tensors, config, shard, prefix=prefix)
         return cls(config, weights, pool=pool, layer_idx=layer_idx, group=group, dtype=dtype,
                    prefill_backend=prefill_backend)

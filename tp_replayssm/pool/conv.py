@@ -71,24 +71,34 @@ def row_verdict(pool: ReplaySSMStatePool, slots: torch.Tensor) -> tuple[torch.Te
     return live, idx
 
 
+DECODE_CONV_NAMES = ("mixed_qkv", "conv_weight", "conv_bias")  # pool.decode's / verify's names of the conv's arguments
+
+
 def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: object, activation: object,
-                    where: str) -> None:
-    """Shapes, dtypes and devices of a conv call's arguments (``ValueError`` naming the argument)."""
+                    where: str, names: tuple[str, str, str] = ("x", "weight", "bias")) -> None:
+    """Shapes, dtypes and devices of a conv call's arguments (``ValueError`` naming the argument: ``names`` are the
+    caller's names of ``x``, ``weight`` and ``bias``; ``pool.decode`` calls them ``mixed_qkv``, ``conv_weight``,
+    ``conv_bias``)."""
+    x_name, w_name, b_name = names
     if pool.conv_kernel_size == 0:
-        raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")
+        raise ValueError(f"{where}: `{w_name}` given, but this pool holds no conv state (built with "
+                         f"conv_kernel_size=0)")
     D, W = pool.conv_channels, pool.conv_kernel_size
     if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != D \
             or (x.dim() == 3 and x.shape[1] < 1):
-        raise ValueError(f"{where}: `x` must be [B, D] or [B, T, D] with T >= 1 and D = {D} (this rank's q/k/v "
-                         f"channels); got {describe(x)}")
-    check_tensor(where, "x", x, (tuple(x.shape),), ACTIVATION_DTYPES)
-    check_tensor(where, "weight", weight, ((D, W),), (torch.float32, torch.bfloat16, torch.float16),
+        raise ValueError(f"{where}: `{x_name}` must be [B, D] or [B, T, D] with T >= 1 and D = {D} (this rank's "
+                         f"q/k/v channels); got {describe(x)}")
+    check_tensor(where, x_name, x, (tuple(x.shape),), ACTIVATION_DTYPES)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 3 and tuple(weight.shape) == (D, 1, W):
+        raise ValueError(f"{where}: `{w_name}` must be of shape [{D}, {W}]; got [{D}, 1, {W}] (an nn.Conv1d / "
+                         f"FLA ShortConvolution weight: pass weight[:, 0])")
+    check_tensor(where, w_name, weight, ((D, W),), (torch.float32, torch.bfloat16, torch.float16),
                  last_contiguous=False)
     if bias is not None:
-        check_tensor(where, "bias", bias, ((D,),), (torch.float32, torch.bfloat16, torch.float16))
+        check_tensor(where, b_name, bias, ((D,),), (torch.float32, torch.bfloat16, torch.float16))
     if activation not in ACTIVATIONS:
         raise ValueError(f"{where}: `activation` must be one of {list(ACTIVATIONS)}; got {activation!r}")
-    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+    for name, t in ((x_name, x), (w_name, weight), (b_name, bias)):
         if t is not None and t.device != pool.device:
             raise ValueError(f"{where}: `{name}` must be on {pool.device}; got {t.device}")
 
@@ -140,11 +150,12 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
     in a launch of its own (``conv_plan``, or the library's) and the decode reads its output
     (:func:`conv_before_decode`; the PyTorch path for CPU tensors). Every argument is checked first."""
     x = call.mixed_qkv
-    check_conv_args(pool, x, weight, bias, "silu", where)
+    check_conv_args(pool, x, weight, bias, "silu", where, DECODE_CONV_NAMES)
     if x.dim() != 2:
         raise ValueError(f"{where}: `mixed_qkv` must be [B, D] (one pre-conv token per row); got {describe(x)}")
     kernel = runs_kernel(pool.device, where)
-    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where)
+    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where,
+                                num_q_heads=pool.local_heads.num_q_heads)
     problem = problem_of(dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype,
                          device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,
                          use_l2norm=bool(call.use_qk_l2norm_in_kernel), lower_bound=call.lower_bound,
@@ -163,14 +174,15 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
             counters = pool.conv_counters = torch.zeros((pool.num_slots + 1) * pool.local_heads.num_q_heads,
                                                         dtype=torch.int32, device=pool.device)
         run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=given, guard=guard,
-                   where=where, conv=FusedConv(pool.conv_state, layer, weight, bias, counters))  # (None: the same plan)
+                   where=where, conv=FusedConv(pool.conv_state, layer, weight, bias, counters),  # (None: the same plan)
+                   num_q_heads=pool.local_heads.num_q_heads)
         return
     if plan is not None:
         plan = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
     call = conv_before_decode(pool, layer, call, weight, bias, advance=advance, plan=plan, where=where,
                               conv_plan=conv_plan)
     run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=plan, guard=guard,
-               where=where)
+               where=where, num_q_heads=pool.local_heads.num_q_heads)
 
 
 def conv_before_decode(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, weight: torch.Tensor,
@@ -181,13 +193,14 @@ def conv_before_decode(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, w
     conv (SiLU) of the call's pre-conv ``mixed_qkv [B, D]`` into that buffer (with ``conv_plan`` where given) and
     return the call that reads it. The conv records no bad rows: the decode kernel records the same rows."""
     x = call.mixed_qkv
-    check_conv_args(pool, x, weight, bias, "silu", where)
+    check_conv_args(pool, x, weight, bias, "silu", where, DECODE_CONV_NAMES)
     if x.dim() != 2:
         raise ValueError(f"{where}: `mixed_qkv` must be [B, D] (one pre-conv token per row); got {describe(x)}")
     if conv_plan is not None:
         check_conv_plan(conv_plan, x, pool.conv_kernel_size, where)
     call = call._replace(mixed_qkv=torch.empty(x.shape, dtype=x.dtype, device=pool.device))
-    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where)
+    dims = validate_decode_once(call, ring_layout=pool.ring_layout, cursor_table=True, where=where,
+                                num_q_heads=pool.local_heads.num_q_heads)
     if plan is not None:
         plan.check(problem_of(dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype,
                               device=pool.device, ring_layout=pool.ring_layout, cursor_table=True, advance=advance,

@@ -99,9 +99,10 @@ def _element_size(dtype: torch.dtype) -> int:
 def pool_memory(heads: KDAHeads, *, tp_size: int, num_layers: int, num_slots: int, ring_length: int,
                 state_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.bfloat16,
                 ring_layout: str = "predecayed", conv_kernel_size: int = 0,
-                conv_dtype: torch.dtype | None = None) -> PoolMemory:
-    """The :class:`PoolMemory` of one rank's pool for this config (every rank's shard has the same size)."""
-    local = shard_heads(heads, tp_size, 0).local
+                conv_dtype: torch.dtype | None = None, where: str = "pool_memory") -> PoolMemory:
+    """The :class:`PoolMemory` of one rank's pool for this config (every rank's shard has the same size; errors start
+    with ``where``)."""
+    local = shard_heads(heads, tp_size, 0, where=where).local
     HV, H, K, V, L = local.num_v_heads, local.num_q_heads, local.key_dim, local.value_dim, ring_length
     cache = _element_size(cache_dtype)
     return PoolMemory(
@@ -132,7 +133,7 @@ def slots_that_fit(heads: KDAHeads, *, tp_size: int, num_layers: int, ring_lengt
         raise ValueError(f"slots_that_fit: `ring_length` must be a positive int; got {ring_length!r}")
     unit = pool_memory(heads, tp_size=tp_size, num_layers=num_layers, num_slots=0, ring_length=ring_length,
                        state_dtype=state_dtype, cache_dtype=cache_dtype, ring_layout=ring_layout,
-                       conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype)
+                       conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype, where="slots_that_fit")
     fixed = unit.total  # the scratch cursor and conv windows, the slot-error record
     if budget_bytes < fixed:
         return 0

@@ -109,7 +109,7 @@ class ReplaySSMStatePool:
             tp_rank=tp_rank, tp_size=tp_size, group=group)
 
         self.heads = heads
-        self.shard: HeadShard = shard_heads(heads, tp_size, tp_rank)
+        self.shard: HeadShard = shard_heads(heads, tp_size, tp_rank, where=where)
         self.local_heads: KDAHeads = self.shard.local
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
@@ -404,6 +404,7 @@ class ReplaySSMStatePool:
             raise ValueError(f"ReplaySSMStatePool.{where}: `layer` must be an int in [0, num_layers={self.num_layers}); "
                              f"got {layer!r}")
 
-    def _debug_check(self, slots: torch.Tensor, where: str, *, allow_padding: bool, unique: bool) -> None:
+    def _debug_check(self, slots: torch.Tensor, where: str, *, allow_padding: bool, unique: bool,
+                     in_step: bool = False) -> None:
         """Debug mode only (host sync): :func:`tp_replayssm.pool.slots.debug_check`."""
-        debug_check(self, slots, where, allow_padding=allow_padding, unique=unique)
+        debug_check(self, slots, where, allow_padding=allow_padding, unique=unique, in_step=in_step)

@@ -127,11 +127,18 @@ def raise_slot_error(where: str, problems: list[str]) -> None:
 
 
 def debug_check(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, allow_padding: bool,
-                unique: bool) -> None:
+                unique: bool, in_step: bool = False) -> None:
     """Debug mode only (host sync): ``slots`` in range and allocated, optionally unique, their cursors in
-    ``[0, L-1]``; ``SlotError`` naming the call otherwise."""
+    ``[0, L-1]``, and (unless the call is the open step's own verify or commit: ``in_step``) none of them between a
+    verify and its commit (``pool._spec_in_flight``, which a verify in debug mode records); ``SlotError`` naming the
+    call otherwise."""
     ids = [int(i) for i in slots.tolist()]
     problems = pool._slots.problems(ids, allow_padding=allow_padding, unique=unique)
+    in_flight = getattr(pool, "_spec_in_flight", None)
+    if in_flight and not in_step:
+        waiting = sorted(set(ids) & in_flight)
+        if waiting:
+            problems.append(f"slots between a verify and its commit (they wait for the commit): {waiting}")
     ok = [i for i in ids if pool._slots.is_allocated(i)]
     if ok:
         cur = pool.cursors[torch.tensor(ok, dtype=torch.long, device=pool.device)].tolist()

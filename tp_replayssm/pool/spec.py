@@ -84,7 +84,7 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
                            device=pool.device, where=where)
     B, T = dims.batch, dims.drafts
     if conv_weight is not None:
-        conv.check_conv_args(pool, mixed_qkv, conv_weight, conv_bias, "silu", where)
+        conv.check_conv_args(pool, mixed_qkv, conv_weight, conv_bias, "silu", where, conv.DECODE_CONV_NAMES)
     elif conv_bias is not None:
         raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
     step = getattr(pool, "_spec_step", None)
@@ -102,7 +102,7 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         pool._check_placement(tensors, where)
         checked.add(layer)
     if pool.debug:
-        pool._debug_check(slots, where, allow_padding=True, unique=True)
+        pool._debug_check(slots, where, allow_padding=True, unique=True, in_step=True)
         if parents is not None and not bool(parents_valid(parents.long()).all()):
             raise ValueError(f"{where} (debug check): `parents` must hold -1 or an earlier node in every entry "
                              f"(parents[b, t] in [-1, t-1]); got {parents.tolist()}")
@@ -111,6 +111,8 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     folded, counters = _spec_tensors(pool)
     if step is None:
         step = pool._spec_step = SpecStep(B, T, parents)
+    if pool.debug:  # the rows' slots wait for the commit: debug checks of other calls refuse them until then
+        pool._spec_in_flight = {int(i) for i in slots.tolist() if i >= 0}
     if conv_weight is not None:
         mixed_qkv = _draft_conv(pool, layer, mixed_qkv, conv_weight, conv_bias, slots, parents)
         step.conv_layers.add(layer)
@@ -152,7 +154,7 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
         raise ValueError(f"{where}: every layer's verify comes before the commit; layers {missing} of "
                          f"{pool.num_layers} were not verified in this step")
     if pool.debug:
-        pool._debug_check(slots, where, allow_padding=True, unique=True)
+        pool._debug_check(slots, where, allow_padding=True, unique=True, in_step=True)
         par = (chain_parents(step.batch, step.drafts, pool.device) if step.parents is None
                else step.parents.long())
         pth = torch.arange(step.drafts, device=pool.device).expand(step.batch, -1) if path is None else path.long()
@@ -170,7 +172,7 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
             layers = cache[key] = torch.tensor(key, dtype=torch.long, device=pool.device)
         conv_args = (pool.conv_state, pool.spec_inputs.index_select(0, layers), layers)
     run_commit(pool, slots, num_accepted, step.parents, path, step.drafts, pool.guard("commit"), conv_args)
-    pool._spec_step = None
+    pool._spec_step = pool._spec_in_flight = None
 
 
 def read_state_in_flight(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor,

@@ -58,7 +58,7 @@ def decode(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         raise ValueError(f"{where}: `{'conv_bias' if conv_bias is not None else 'conv_plan'}` given without "
                          f"`conv_weight`")
     run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=bool(advance), plan=plan,
-               guard=pool.guard("decode", layer), where=where)
+               guard=pool.guard("decode", layer), where=where, num_q_heads=pool.local_heads.num_q_heads)
     return out
 
 

@@ -2,7 +2,8 @@
 
 - :func:`resolve_device`: ``None`` is the rank's current device (the current CUDA device where CUDA is available,
   else the CPU); ``"cuda"`` without an index is the current CUDA device; a CUDA device on a machine without CUDA, or
-  an index past the visible devices, is a ``ValueError`` that says so.
+  an index past the visible devices, is a ``ValueError`` that says so; ``"cpu:0"`` is ``"cpu"`` (torch's CPU tensors
+  carry no index).
 - :func:`current_cuda_device`: the current CUDA device, or None without CUDA (the placement check's hook; tests
   patch it to emulate ``cuda:N`` on a CPU machine).
 - :func:`device_key`: the identity of a physical CUDA device (its UUID where visible), so two ranks that see their
@@ -51,6 +52,8 @@ def resolve_device(device: torch.device | str | int | None, where: str = "device
         if dev.index >= torch.cuda.device_count():
             raise ValueError(f"{where}: `device` is {dev} but only {torch.cuda.device_count()} CUDA device(s) are "
                              "visible")
+    if dev.type == "cpu":  # torch puts every CPU tensor on "cpu" (no index): "cpu:0" names the same device
+        return torch.device("cpu")
     return dev
 
 

@@ -206,23 +206,24 @@ class HeadShard:
         return state[:, self.v_head_start : self.v_head_end]
 
 
-def shard_heads(heads: KDAHeads, tp_size: int, tp_rank: int) -> HeadShard:
+def shard_heads(heads: KDAHeads, tp_size: int, tp_rank: int, *, where: str = "shard_heads") -> HeadShard:
     """The sharding rule (docs/contract.md): the heads rank ``tp_rank`` of ``tp_size`` owns.
 
-    Raises ``ValueError`` (printing ``H``, ``HV`` and ``tp``) when ``HV % tp != 0`` or neither
-    ``H % tp == 0`` nor ``tp % H == 0``, and when ``tp_rank`` is not in ``[0, tp_size)``.
+    Raises ``ValueError`` (printing ``H``, ``HV`` and ``tp``; ``where`` first: the caller's name, e.g. the pool's
+    constructor) when ``HV % tp != 0`` or neither ``H % tp == 0`` nor ``tp % H == 0``, and when ``tp_rank`` is not in
+    ``[0, tp_size)``.
     """
     if not isinstance(heads, KDAHeads):
-        raise ValueError(f"shard_heads: `heads` must be a KDAHeads; got {type(heads).__name__}")
+        raise ValueError(f"{where}: `heads` must be a KDAHeads; got {type(heads).__name__}")
     H, HV = heads.num_q_heads, heads.num_v_heads
     if not _is_int(tp_size) or tp_size < 1:
-        raise ValueError(f"shard_heads: `tp_size` must be a positive int; got {tp_size!r} (H={H}, HV={HV})")
+        raise ValueError(f"{where}: `tp_size` must be a positive int; got {tp_size!r} (H={H}, HV={HV})")
     if not _is_int(tp_rank) or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"shard_heads: `tp_rank` must be an int in [0, tp_size={tp_size}); got {tp_rank!r} "
+        raise ValueError(f"{where}: `tp_rank` must be an int in [0, tp_size={tp_size}); got {tp_rank!r} "
                          f"(H={H}, HV={HV}, tp={tp_size})")
     desc = f"H={H} q/k heads, HV={HV} value heads, tp={tp_size}"
     if HV % tp_size != 0:
-        raise ValueError(f"shard_heads: value heads must split evenly over ranks (HV % tp == 0); got {desc}")
+        raise ValueError(f"{where}: value heads must split evenly over ranks (HV % tp == 0); got {desc}")
     hv_local = HV // tp_size
     if H % tp_size == 0:
         h_local = H // tp_size
@@ -233,7 +234,7 @@ def shard_heads(heads: KDAHeads, tp_size: int, tp_rank: int) -> HeadShard:
         q_end = q_start + 1
     else:
         raise ValueError(
-            f"shard_heads: q/k heads must split evenly over ranks (H % tp == 0) or be replicated "
+            f"{where}: q/k heads must split evenly over ranks (H % tp == 0) or be replicated "
             f"(tp % H == 0); got {desc}"
         )
     return HeadShard(heads=heads, tp_size=tp_size, tp_rank=tp_rank, q_head_start=q_start, q_head_end=q_end,
