@@ -282,7 +282,8 @@ def test_decode_with_conv_records_bad_rows_once_as_decode() -> None:
     assert (out == 0).all()  # slot 4 is free, slot 0 named twice
     assert torch.equal(pool.conv_state, twin.conv_state) and torch.equal(pool.checkpoint, twin.checkpoint)
     with pytest.raises(SlotError, match=r"ReplaySSMStatePool\.decode\(layer=1\): 3 row\(s\).*row 0 slot 0, row 1 "
-                                        r"slot 4, row 2 slot 0; they were treated as padding rows.*\)$"):
+                                        r"slot 4, row 2 slot 0 \[slot 0: named twice in the call; slot 4: not "
+                                        r"allocated now\]; they were treated as padding rows.*\)$"):
         pool.check()
 
 

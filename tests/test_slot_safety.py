@@ -132,8 +132,25 @@ def test_only_the_first_bad_call_is_named_and_later_ones_counted() -> None:
     gen = torch.Generator().manual_seed(1)
     inp = random_decode_inputs(2, H, HV, K, V, dtype=torch.float32, generator=gen)
     pool.decode(0, inp.mixed_qkv, inp.a, inp.b, params.A_log, params.dt_bias, torch.tensor([S, 0], dtype=torch.int32))
-    with pytest.raises(SlotError, match=r"decode\(layer=1\): 2 row\(s\).*row 1 slot 4, row 0 slot 5; .*; 2 more bad "
-                                        r"row\(s\) in later calls"):
+    with pytest.raises(SlotError, match=r"decode\(layer=1\): 2 row\(s\).*row 1 slot 4, row 0 slot 5 \[slots 4, 5: not "
+                                        r"allocated now\]; .*; 2 more bad row\(s\) in later calls"):
+        pool.check()
+
+
+def test_check_says_why_each_slot_shown_was_refused() -> None:
+    """``check()`` tells each recorded slot's fault as far as the host can tell then: out of range (with the range),
+    named twice in the call, not allocated now, or allocated now (freed slot 1 given out again before the check)."""
+    pool, params = _pool("predecayed")
+    _step(pool, params, [0, S, 4, 1, 3, 3, 2, -1], "decode")  # ALL_BAD: rows 1-5 bad
+    with pytest.raises(SlotError) as info:
+        pool.check()
+    assert (f"row 1 slot {S}, row 2 slot 4, row 3 slot 1, row 4 slot 3, row 5 slot 3 [slot {S}: out of range [0, "
+            f"{S}); slots 4, 1: not allocated now; slot 3: named twice in the call]; they were") in str(info.value), \
+        info.value
+    _step(pool, params, [1, 0], "decode")
+    assert 1 in pool.alloc(3).tolist()  # (every free slot: 1 among them)
+    with pytest.raises(SlotError, match=r"row 0 slot 1 \[slot 1: allocated now \(free at the call, or named again "
+                                        r"in a row not shown\)\]"):
         pool.check()
 
 

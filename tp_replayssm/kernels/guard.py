@@ -9,6 +9,7 @@ from the cursor read they do anyway.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -31,14 +32,19 @@ def call_code(method: str, layer: int | None = None) -> int:
     return _METHOD_IDS[method] << 16 | (0 if layer is None else layer + 1)
 
 
-def describe_record(record: list[int]) -> str | None:
-    """The SlotError text of an error record read back to the host, or None when it holds no bad call."""
+def describe_record(record: list[int],
+                    diagnose: Callable[[str, list[int]], str | None] | None = None) -> str | None:
+    """The SlotError text of an error record read back to the host, or None when it holds no bad call.
+    ``diagnose(method, slots shown)``: why those slots were refused, in brackets after them (the pool's
+    ``SlotTable.diagnose``)."""
     code, n_rows, n_all = record[0], record[1], record[2]
     if code == 0:
         return None
     method, layer = SLOT_METHODS.get(code >> 16, f"method {code >> 16}"), (code & 0xFFFF) - 1
     pairs = [(record[4 + 2 * i], record[5 + 2 * i]) for i in range(min(n_rows, RECORDED_ROWS))]
     shown = ", ".join(f"row {r} slot {s}" for r, s in pairs) + (" ..." if n_rows > RECORDED_ROWS else "")
+    why = diagnose(method, [s for _, s in pairs]) if diagnose is not None else None
+    shown += f" [{why}]" if why else ""
     others = n_all - n_rows
     what = _WHAT.get(method, "named a slot that is out of range, not allocated, or repeated within the call")
     return (f"ReplaySSMStatePool.{method}{f'(layer={layer})' if layer >= 0 else ''}: {n_rows} row(s) {what} (the "

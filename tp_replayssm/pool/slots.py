@@ -44,6 +44,33 @@ class SlotTable:
     def allocated(self) -> list[int]:
         return [i for i in range(self.num_slots) if self._allocated[i]]
 
+    def diagnose(self, method: str, shown: list[int]) -> str | None:
+        """Why the slots ``shown`` (a recorded bad call's, in row order) were refused, as far as the host can tell at
+        ``check()`` time: out of range, named twice among the rows shown, not allocated now, or (allocated now) free
+        at the call or named again in a row not shown (verify and commit: or the row's parents, num_accepted or path
+        not valid). A fork's shown slot may be its pair's source or destination: only range and allocation are
+        told there. None when nothing is shown."""
+        count = collections.Counter(shown)
+        reasons: dict[str, list[int]] = {}
+        for slot in dict.fromkeys(shown):
+            if not 0 <= slot < self.num_slots:
+                why = f"out of range [0, {self.num_slots})"
+            elif count[slot] > 1 and method != "fork":
+                why = "named twice in the call"
+            elif not self._allocated[slot]:
+                why = "not allocated now"
+            elif method in ("verify", "commit"):
+                why = "allocated now (free at the call, named again in a row not shown, or the row's drafts not valid)"
+            elif method == "fork":
+                continue
+            else:
+                why = "allocated now (free at the call, or named again in a row not shown)"
+            reasons.setdefault(why, []).append(slot)
+        if not reasons:
+            return None
+        return "; ".join(f"slot{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {why}"
+                         for why, ids in reasons.items())
+
     def take(self, n: int, where: str) -> list[int]:
         """``n`` free ids (``PoolExhaustedError``, taking none, when fewer are free)."""
         if not is_int(n) or n < 0:
