@@ -46,6 +46,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from cli import HelpFormatter, RankParser
+
 if TYPE_CHECKING:
     import torch
 
@@ -64,13 +66,9 @@ RING_LAYOUTS = ("predecayed", "sglang")  # tp_replayssm.validation.RING_LAYOUTS 
 log = logging.getLogger("decode")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """The description as written (its command lines keep their layout), and every option's default."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
-                                formatter_class=_HelpFormatter)
+    p = RankParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                   formatter_class=HelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="tiny",
                    help="head geometry and layer count: tiny (H=2 HV=4 K=V=16, 2 layers) or kimi-linear "

@@ -47,6 +47,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from cli import HelpFormatter, RankParser
+
 if TYPE_CHECKING:
     import torch
 
@@ -56,13 +58,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("serve")
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """The description as written, and every option's default."""
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
-                                formatter_class=_HelpFormatter)
+    p = RankParser(description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+                   formatter_class=HelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu (gloo) or cuda (NCCL)")
     m = p.add_argument_group("model (seeded random weights, Kimi-Linear's parameter names)")
     m.add_argument("--layers", type=int, default=2, help="blocks (one KDA layer each)")

@@ -132,6 +132,10 @@ def test_serve_help_and_bad_arguments() -> None:
     for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"]):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
         assert run.returncode == 2, (bad, run.stderr)
+    # under torchrun every rank parses the command line: rank 0 prints the error, the others only exit 2
+    run = subprocess.run([sys.executable, str(SERVE), "--batch", "0"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RANK": "1"})
+    assert run.returncode == 2 and run.stderr == "" and run.stdout == "", run
     # heads the ranks cannot share: refused naming the flags, before any rank starts (WORLD_SIZE: torchrun's)
     for bad, world, text in ((["--v-heads", "3"], "1", "--v-heads must be a multiple of --heads; got --heads 2"),
                              ([], "3", "--v-heads must split evenly over the 3 ranks (--nproc-per-node); got 4"),
