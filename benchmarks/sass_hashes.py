@@ -82,11 +82,14 @@ def compare(new: dict[str, dict], base: dict[str, dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="JSON file for name -> {hash, instructions, regs, stack}")
+    ap.add_argument("--out", default=None,
+                    help="JSON file for name -> {hash, instructions, regs, stack} (needed unless --list)")
     ap.add_argument("--compare", default=None, help="a result file of the other kernel: exit 1 on any difference")
     ap.add_argument("-k", default=None, help="only the programs whose name contains this text")
     ap.add_argument("--list", action="store_true", help="print the programs' names and compile nothing")
     args = ap.parse_args(argv)
+    if args.out is None and not args.list:
+        ap.error("--out is needed to compile (only --list runs without it)")
     h200 = os.environ.get("TP_REPLAYSSM_TRITON_H200")
     if h200:  # the H200's compiler first (dev.sh installs it beside the environment), as kernel_regs.main does
         sys.path.insert(0, h200)

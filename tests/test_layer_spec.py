@@ -18,6 +18,7 @@ import _dist_helpers as dh
 import _layer_helpers as lh
 import _layer_spec_helpers as sh
 import tp_replayssm.pool.spec as pool_spec
+from tp_replayssm import SlotError
 from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.layers import KDALayerConfig
 
@@ -117,6 +118,26 @@ def test_commit_zero_keeps_the_state() -> None:
         got, want = rk.layers[0](x, slots, advance=True), rk.twin_layers[0](x, tslots, advance=True)
         assert lh.rel(got, want) < TOL
     assert lh.rel(rk.pool.read_state(0, slots), rk.twin.read_state(0, tslots)) < TOL
+    rk.pool.check()
+
+
+def test_prefill_of_a_slot_between_verify_and_commit_is_refused() -> None:
+    """A layer's prefill of a slot in the open verify step raises SlotError (it syncs anyway) before anything is
+    written; after the commit the prefill runs."""
+    cfg = CONFIGS["gva"]
+    rk = sh.build_rank(cfg, [lh.random_weights(cfg, 4)], 2, ring_length=4)
+    slots = torch.tensor(rk.slots, dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    rk.layers[0](torch.randn(2, 3, 64, generator=g), slots, verify=True)
+    snap = rk.pool.checkpoint.clone(), rk.pool.conv_state.clone(), rk.pool.cursors.clone()
+    prompt = torch.randn(5, 64, generator=g)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(SlotError, match=rf"prefill\(layer=0\): slots between a verify and its commit .*"
+                                        rf"\[{rk.slots[1]}\]"):
+        rk.layers[0](prompt, slots[1:], cu_seqlens=cu)
+    assert all(torch.equal(a, b) for a, b in zip(snap, (rk.pool.checkpoint, rk.pool.conv_state, rk.pool.cursors)))
+    rk.pool.commit(slots, torch.zeros(2, dtype=torch.int32))
+    rk.layers[0](prompt, slots[1:], cu_seqlens=cu)
     rk.pool.check()
 
 

@@ -451,7 +451,12 @@ REFUSALS = {  # case -> (shards, the slots imported into, text the error must ho
                                   dataclasses_replace_heads(_shard_from(tp=2, rank=1))], [0],
                          r"do not cover this pool's q/k heads \(conv channels\) \[0, 2\).*missing \[1\]; the shards "
                          r"hold \[0, 1\), \[0, 1\)"),
+    "other-requests": (lambda: [_shard_from(tp=2, rank=0), other_slots(_shard_from(tp=2, rank=1))], [0],
+                       r"shards\[1\] holds source slots \[3\] but shards\[0\] holds \[0\]: the shards of one import "
+                       r"hold the same requests"),
     "not-a-shard": (lambda: ["state"], [0], r"`shards\[0\]` must be a StateShard; got str"),
+    "a-dict": (lambda: {"rank0": _shard_from()}, [0], r"`shards` must be a StateShard or an iterable of StateShard "
+                                                      r"\(a dict's: pass its values\(\)\); got dict"),
     "empty": (lambda: [], [0], r"`shards` is empty"),
     "corrupt-states": (lambda: [corrupt(_shard_from())], [0],
                        r"shards\[0\].states must be a float32 tensor \[layers, n, HV_s, V, K\] = \[2, 1, 4, 16, 16\]"),
@@ -463,6 +468,13 @@ def dataclasses_replace_heads(s: StateShard) -> StateShard:
     import dataclasses
 
     return dataclasses.replace(s, q_head_start=0, q_head_end=1)
+
+
+def other_slots(s: StateShard) -> StateShard:
+    """The shard as exported from slot 3: another request than its peer's slot 0 (the heads of two requests)."""
+    import dataclasses
+
+    return dataclasses.replace(s, source_slots=(3,))
 
 
 def corrupt(s: StateShard) -> StateShard:

@@ -401,6 +401,50 @@ def test_debug_mode_refuses_slots_between_verify_and_commit() -> None:
     pool.check()
 
 
+def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records_them() -> None:
+    """Default mode: export_state, import_state, load_state and end_prefill (which sync anyway) refuse a slot of the
+    open verify step with SlotError before anything is written, here after a folding verify (an
+    export would read the fold's checkpoint plus the committed ring again); fork copies nothing for a pair naming one
+    (as source or destination) and check() reports it; read_state gives the committed state; after the commit all
+    of them work again."""
+    from tp_replayssm.layers import end_prefill
+
+    pool = build(KDAHeads(1, 2, K, V), L=4, conv_kernel_size=4)
+    gen = torch.Generator().manual_seed(4)
+    model = make_model(pool, gen, conv=True)
+    ids = pool.alloc(4)
+    verified, other = ids[:2], ids[2:]
+    for _ in range(2):
+        decode_step(pool, model, [random_decode_inputs(4, 1, 2, K, V, dtype=torch.float32, generator=gen)] * 2, ids)
+    committed = read_states(pool, verified.tolist())
+    shard = pool.export_state(other[:1])
+    verify_all(pool, model, random_drafts(pool, 2, 3, gen), verified)
+    assert pool.spec_folded.sum() > 0, "the verify must fold"
+    snap = {n: getattr(pool, n).clone() for n in ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors",
+                                                   "conv_state")}
+    busy = int(verified[1])
+    refused = {"export_state": lambda: pool.export_state(verified[1:]),
+               "import_state": lambda: pool.import_state(verified[1:], shard),
+               "load_state": lambda: pool.load_state(0, verified[1:], torch.zeros(1, 2, V, K)),
+               "end_prefill": lambda: end_prefill(pool, verified[1:])}
+    for name, call in refused.items():
+        with pytest.raises(SlotError, match=rf"{name}: slots between a verify and its commit .*\[{busy}\]"):
+            call()
+    assert torch.equal(read_states(pool, verified.tolist()), committed)
+    pool.fork(verified[1:], other[:1])  # a busy source
+    with pytest.raises(SlotError, match=rf"fork: 1 row\(s\).*row 0 slot {busy}"):
+        pool.check()
+    pool.fork(other[1:], verified[1:])  # a busy destination
+    with pytest.raises(SlotError, match=rf"fork: 1 row\(s\).*row 0 slot {busy}"):
+        pool.check()
+    for n, t in snap.items():
+        assert torch.equal(getattr(pool, n), t), n
+    pool.commit(verified, torch.tensor([1, 0], dtype=torch.int32))
+    pool.export_state(verified)
+    pool.fork(verified[1:], other[:1])
+    pool.check()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU pools: a machine without CUDA (a group's pool "
                     "lives on the rank's current device)")
 def test_tp_equivalence_on_gloo(tmp_path) -> None:  # noqa: ANN001 - pytest fixture

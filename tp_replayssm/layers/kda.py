@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..pool.slots import check_ids, raise_slot_error
+from ..pool.slots import check_ids, raise_slot_error, waiting
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
 from .config import KDALayerConfig
@@ -247,8 +247,8 @@ class TPKimiDeltaAttention(torch.nn.Module):
         cu = _host_cu_seqlens(cu_seqlens, x.shape[0], slots.shape[0], where)
         pool, layer = self.pool, self.layer_idx
         pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
-        raise_slot_error(where, pool._slots.problems([int(i) for i in slots.tolist()], allow_padding=False,
-                                                     unique=True))
+        ids = [int(i) for i in slots.tolist()]
+        raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=True) + waiting(pool, ids))
         states = pool.read_state(layer, slots)
         mixed, a, b, gate = self._project(x)
         if self.conv_weight is not None:
@@ -320,8 +320,8 @@ def _host_cu_seqlens(cu_seqlens: object, total: int, n: int, where: str) -> list
     increasing (one host sync)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 \
             or cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.shape[0] != n + 1:
-        raise ValueError(f"{where}: `cu_seqlens` must be a 1-D int32 tensor [n+1] = [{n + 1}] (one sequence per "
-                         f"slot); got {describe(cu_seqlens)}")
+        raise ValueError(f"{where}: `cu_seqlens` must be a 1-D int32 or int64 tensor [n+1] = [{n + 1}] (one "
+                         f"sequence per slot); got {describe(cu_seqlens)}")
     cu = [int(c) for c in cu_seqlens.tolist()]
     if cu[0] != 0 or cu[-1] != total or any(b <= a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"{where}: `cu_seqlens` must start at 0, end at the token count {total} and increase "

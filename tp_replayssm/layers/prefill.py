@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pool.slots import check_ids, raise_slot_error
+from ..pool.slots import check_ids, raise_slot_error, waiting
 from .kda_torch import chunk_kda_torch, kda_activations
 
 if TYPE_CHECKING:
@@ -93,11 +93,11 @@ def end_prefill(pool: ReplaySSMStatePool, slots: torch.Tensor) -> None:
     but it keeps the cursor, which every layer shares: the layers after it still read their rings up to it. Once every
     layer has prefilled the slots, this makes the cursors 0 (the next decode appends at ring position 0), so a
     prefill leaves each slot's ring empty and its cursor at 0. ``TPKimiDeltaAttention(..., advance=True)`` on the
-    step's last layer calls it. Ids out of range, not allocated or given twice raise
+    step's last layer calls it. Ids out of range, not allocated, given twice or in an open verify step raise
     :class:`~tp_replayssm.errors.SlotError` before anything is written (a host check: a prefill syncs anyway)."""
     where = "end_prefill"
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     ids = [int(i) for i in slots.tolist()]
-    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=True))
+    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=True) + waiting(pool, ids))
     if ids:
         pool.cursors.index_fill_(0, slots.long(), 0)

@@ -23,7 +23,7 @@ and check their own slot ids on the host (:class:`~tp_replayssm.errors.SlotError
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +35,7 @@ from ..reference import replay_predecayed_ring, replay_ring
 from ..tp.devices import resolve_device
 from ..validation import describe
 from .shard import StateShard
-from .slots import host_ids, raise_slot_error
+from .slots import host_ids, raise_slot_error, waiting
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -85,12 +85,26 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
     if src.shape[0] == 0:
         return
     guard = pool.guard("fork")
+    step = getattr(pool, "_spec_step", None)
+    if step is not None:  # pairs naming a slot of the open verify step wait for its commit: refused and recorded
+        dst = _refuse_in_flight(src, dst, step.slots, guard)
     if runs_kernel(pool.device, where):
         words = fork_kernels.pool_words(pool)
         if words is not None:
             fork_kernels.launch_fork(pool, words, src, dst, guard)
             return
     fork_torch(pool, src, dst, guard)
+
+
+def _refuse_in_flight(src: torch.Tensor, dst: torch.Tensor, busy: torch.Tensor, guard: SlotGuard) -> torch.Tensor:
+    """``dst`` with the pairs that name a slot of ``busy`` (the open verify step's slots, ``-1`` padding) turned into
+    padding pairs, which copy nothing, and those pairs recorded as bad rows (the slot shown: the source when it is
+    busy, else the destination). Torch ops, no host sync; runs only while a step is open."""
+    live = busy[None, :] >= 0
+    src_busy = ((src[:, None] == busy[None, :]) & live).any(1)
+    bad = (src_busy | ((dst[:, None] == busy[None, :]) & live).any(1)) & (dst >= 0)
+    record_bad_rows(guard.errors, guard.code, bad, torch.where(src_busy, src, dst))
+    return torch.where(bad, -1, dst)
 
 
 def fork_torch(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor, guard: SlotGuard) -> None:
@@ -132,12 +146,13 @@ def _debug_check_pairs(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.T
 
 def _host_slots(pool: ReplaySSMStatePool, slots: object, where: str, *, unique: bool) -> list[int]:
     """The slot ids of an export or import, checked on the host after ``pool.check()``: a 1-D integer tensor on the
-    pool's device or a sequence of ints, each allocated (and, for a write, named once)."""
+    pool's device or a sequence of ints, each allocated, not in the open verify step (an export would read its
+    drafts' fold, an import race the commit) and, for a write, named once."""
     if isinstance(slots, torch.Tensor) and slots.device != pool.device:
         raise ValueError(f"{where}: `slots` must be on {pool.device} (or a list of ints); got {describe(slots)}")
     ids = host_ids(slots, where)
     pool.check()
-    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique))
+    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique) + waiting(pool, ids))
     return ids
 
 
@@ -201,8 +216,9 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
     where = "ReplaySSMStatePool.import_state"
     if isinstance(shards, StateShard):
         shards = [shards]
-    if not isinstance(shards, Iterable):
-        raise ValueError(f"{where}: `shards` must be an iterable of StateShard; got {type(shards).__name__}")
+    if not isinstance(shards, Iterable) or isinstance(shards, Mapping):
+        raise ValueError(f"{where}: `shards` must be a StateShard or an iterable of StateShard (a dict's: pass its "
+                         f"values()); got {type(shards).__name__}")
     shards = list(shards)
     if not shards:
         raise ValueError(f"{where}: `shards` is empty; it must cover this pool's heads ({_pool_text(pool)})")
@@ -212,6 +228,10 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
     ids = _host_slots(pool, slots, where, unique=True)
     for i, s in enumerate(shards):
         _check_shard(pool, s, i, len(ids), where)
+        if s.source_slots != shards[0].source_slots:  # one request's heads must not come from another's slot
+            raise ValueError(f"{where}: shards[{i}] holds source slots {list(s.source_slots)} but shards[0] holds "
+                             f"{list(shards[0].source_slots)}: the shards of one import hold the same requests in the "
+                             f"same order (the ranks of a group name a request by one slot)")
     v_src = _cover(pool, shards, "v", where)
     q_src = _cover(pool, shards, "q", where) if pool.conv_state is not None else []
     for s in shards:

@@ -19,7 +19,7 @@ from ..validation import describe
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["SlotTable", "check_ids", "debug_check", "is_int"]
+__all__ = ["SlotTable", "check_ids", "debug_check", "in_flight", "is_int", "waiting"]
 
 
 def is_int(x: object) -> bool:
@@ -153,19 +153,31 @@ def raise_slot_error(where: str, problems: list[str]) -> None:
         raise SlotError(f"{where}: {'; '.join(problems)}")
 
 
+def in_flight(pool: ReplaySSMStatePool) -> set[int]:
+    """The slots of the open verify step (between its first verify and its commit; ``pool._spec_step``, which
+    holds that verify's ``slots``), read back to the host; empty when no step is open (no sync then)."""
+    step = getattr(pool, "_spec_step", None)
+    if step is None:
+        return set()
+    return {int(i) for i in step.slots.tolist() if i >= 0}
+
+
+def waiting(pool: ReplaySSMStatePool, ids: Iterable[int]) -> list[str]:
+    """The problem of ``ids`` that lie in the open verify step: they wait for its commit (docs/spec.md); a host
+    check of a call that syncs anyway (load_state, export/import, prefill) or of debug mode."""
+    busy = sorted(set(ids) & in_flight(pool))
+    return [f"slots between a verify and its commit (they wait for the commit): {busy}"] if busy else []
+
+
 def debug_check(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, allow_padding: bool,
                 unique: bool, in_step: bool = False) -> None:
     """Debug mode only (host sync): ``slots`` in range and allocated, optionally unique, their cursors in
-    ``[0, L-1]``, and (unless the call is the open step's own verify or commit: ``in_step``) none of them between a
-    verify and its commit (``pool._spec_in_flight``, which a verify in debug mode records); ``SlotError`` naming the
-    call otherwise."""
+    ``[0, L-1]``, and (unless the call is the open step's own verify or commit: ``in_step``) none of them in the open
+    verify step (:func:`waiting`); ``SlotError`` naming the call otherwise."""
     ids = [int(i) for i in slots.tolist()]
     problems = pool._slots.problems(ids, allow_padding=allow_padding, unique=unique)
-    in_flight = getattr(pool, "_spec_in_flight", None)
-    if in_flight and not in_step:
-        waiting = sorted(set(ids) & in_flight)
-        if waiting:
-            problems.append(f"slots between a verify and its commit (they wait for the commit): {waiting}")
+    if not in_step:
+        problems += waiting(pool, ids)
     ok = [i for i in ids if pool._slots.is_allocated(i)]
     if ok:
         cur = pool.cursors[torch.tensor(ok, dtype=torch.long, device=pool.device)].tolist()

@@ -44,6 +44,7 @@ class SpecStep:
     batch: int
     drafts: int
     parents: torch.Tensor | None
+    slots: torch.Tensor  # the first verify's (every verify of the step takes the same): in flight until the commit
     layers: set[int] = dataclasses.field(default_factory=set)  # the layers verified so far
     conv_layers: set[int] = dataclasses.field(default_factory=set)  # those that ran the conv
 
@@ -110,9 +111,7 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         out = torch.empty(B, T, lh.num_v_heads, lh.value_dim, dtype=mixed_qkv.dtype, device=pool.device)
     folded, counters = _spec_tensors(pool)
     if step is None:
-        step = pool._spec_step = SpecStep(B, T, parents)
-    if pool.debug:  # the rows' slots wait for the commit: debug checks of other calls refuse them until then
-        pool._spec_in_flight = {int(i) for i in slots.tolist() if i >= 0}
+        step = pool._spec_step = SpecStep(B, T, parents, slots)
     if conv_weight is not None:
         mixed_qkv = _draft_conv(pool, layer, mixed_qkv, conv_weight, conv_bias, slots, parents)
         step.conv_layers.add(layer)
@@ -172,7 +171,7 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
             layers = cache[key] = torch.tensor(key, dtype=torch.long, device=pool.device)
         conv_args = (pool.conv_state, pool.spec_inputs.index_select(0, layers), layers)
     run_commit(pool, slots, num_accepted, step.parents, path, step.drafts, pool.guard("commit"), conv_args)
-    pool._spec_step = pool._spec_in_flight = None
+    pool._spec_step = None
 
 
 def read_state_in_flight(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from .slots import check_ids, raise_slot_error
+from .slots import check_ids, raise_slot_error, waiting
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -50,7 +50,7 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                 or not conv_states.dtype.is_floating_point or conv_states.device != pool.device:
             raise ValueError(f"{where}: `conv_states` must be a floating tensor [n, D, W-1] = {[n, D, W1]} on "
                              f"{pool.device}; got {describe(conv_states)}")
-    _check_slots(pool, slots, where, unique=True)
+    _check_slots(pool, slots, where, unique=True, write=True)
     idx = slots.long()
     views = pool.layer(layer)
     if conv_states is not None:
@@ -73,10 +73,14 @@ def read_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> tor
     return replay_ring(S0, d, k.repeat_interleave(pool.local_heads.group, dim=1), g, cursor)
 
 
-def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, unique: bool) -> None:
+def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, unique: bool,
+                 write: bool = False) -> None:
+    """``pool.check()`` first, then the ids on the host: allocated, (``unique``) named once, and (``write``) not
+    in the open verify step, whose slots wait for its commit (reads see their committed state)."""
     pool.check()
-    raise_slot_error(where, pool._slots.problems([int(i) for i in slots.tolist()], allow_padding=False,
-                                                 unique=unique))
+    ids = [int(i) for i in slots.tolist()]
+    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique)
+                     + (waiting(pool, ids) if write else []))
 
 
 def read_conv_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
