@@ -380,6 +380,20 @@ def test_loader_reads_slices_only(tp: int) -> None:
         assert torch.equal(pools[0].read_state(0, slots), pools[1].read_state(0, slots))
 
 
+def test_a_sharded_layer_without_group_says_its_outputs_are_partial_sums(caplog: pytest.LogCaptureFixture) -> None:
+    """Built without ``group`` on a pool sharded over ranks, the layer returns this rank's partial sums (the caller
+    reduces): it says so once, at construction; at tp 1 it says nothing."""
+    cfg = CONFIGS["gva"]
+    sd = lh.random_weights(cfg, 3)
+    with caplog.at_level(logging.WARNING, logger="tp_replayssm.layers.kda"):
+        TPKimiDeltaAttention.from_state_dict(sd, cfg, pool=_pool(cfg, 0, 1), layer_idx=0)
+        assert not caplog.records
+        TPKimiDeltaAttention.from_state_dict(sd, cfg, pool=_pool(cfg, 1, 2), layer_idx=0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "TPKimiDeltaAttention(layer_idx=0): no `group` on a pool sharded over 2 ranks: the outputs are this rank's "
+        "partial sums, for the caller to all-reduce (pass group= to reduce in the layer)"]
+
+
 def test_loader_errors() -> None:
     cfg = CONFIGS["gva"]
     sd = lh.random_weights(cfg, 3)

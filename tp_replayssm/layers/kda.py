@@ -19,6 +19,7 @@ One token of one value head ``hv`` (``h = hv // (HV // H)`` its q/k head)::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from ..pool.pool import ReplaySSMStatePool
 
 __all__ = ["TPKimiDeltaAttention", "gated_rms_norm"]
+
+logger = logging.getLogger(__name__)
 
 
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,6 +77,10 @@ class TPKimiDeltaAttention(torch.nn.Module):
             raise ValueError(f"{where}: `prefill_backend` must be one of {list(PREFILL_BACKENDS)}; got "
                              f"{prefill_backend!r}")
         self.config, self.pool, self.layer_idx, self.group = config, pool, layer_idx, group
+        if group is None and pool.tp_size > 1:
+            logger.warning("%s(layer_idx=%d): no `group` on a pool sharded over %d ranks: the outputs are this "
+                           "rank's partial sums, for the caller to all-reduce (pass group= to reduce in the layer)",
+                           where, layer_idx, pool.tp_size)
         self.shard = pool.shard
         self.prefill_backend = prefill_backend
         loc = pool.local_heads
