@@ -248,7 +248,8 @@ def replayssm_decode_kernel(
                         q, k = qk_math(q_in.to(torch.float32), k_in.to(torch.float32), scale, use_l2norm)
                 if not tiny_batch and not late_count and not early_qk:
                     a_in = a3[row, hv, :]
-                if pinned_loads:
+                if pinned_loads:  # (two calls: one after a branch that only places the loads reorders the code
+                    # of every program of the library, sass_hashes.py --compare)
                     g = gate_math(a_in.to(torch.float32) + dt_row, a_log, lower_bound, use_lower_bound)
                 else:
                     x = a_in.to(torch.float32) + dt_bias2[hv, :]
