@@ -11,6 +11,7 @@ phase and rows fold. The Helion kernels (interpreter, GPU) are in tests/test_spe
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -399,6 +400,72 @@ def test_debug_mode_refuses_slots_between_verify_and_commit() -> None:
     pool.commit(verified, torch.tensor([1, 2], dtype=torch.int32))
     decode_step(pool, model, [random_decode_inputs(2, 1, 2, K, V, dtype=torch.float32, generator=gen)] * 2, verified)
     pool.check()
+
+
+def test_a_step_takes_the_same_slots_and_parents_and_verifies_each_layer_once() -> None:
+    """A folding step whose later verify names other slots or other parents, verifies a layer twice, or whose commit
+    leaves a verified row out (-1) would count a folded ring twice: each is refused with ValueError before anything is
+    written, and the step commits as its first verify gave it."""
+    pool = build(KDAHeads(1, 2, K, V), L=4)
+    gen = torch.Generator().manual_seed(6)
+    model = make_model(pool, gen)
+    ids = pool.alloc(3)
+    slots = ids[:2]
+    for _ in range(2):
+        decode_step(pool, model, [random_decode_inputs(3, 1, 2, K, V, dtype=torch.float32, generator=gen)] * 2, ids)
+    committed = read_states(pool, slots.tolist())
+    d = random_drafts(pool, 2, 3, gen)
+    parents = torch.tensor([[-1, 0, 1]] * 2, dtype=torch.int32)
+    p = model.params
+
+    def verify(layer: int, s: torch.Tensor, par: torch.Tensor) -> None:
+        pool.verify(layer, d.mixed[layer], d.a[layer], d.b[layer], p[layer].A_log, p[layer].dt_bias, s, parents=par)
+
+    names = ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors", "spec_folded")
+
+    def unchanged(snap: dict[str, torch.Tensor]) -> None:
+        for n, t in snap.items():
+            assert torch.equal(getattr(pool, n), t), n
+
+    verify(0, slots, parents)
+    assert pool.spec_folded.sum() > 0, "the verify must fold"
+    snap = {n: getattr(pool, n).clone() for n in names}
+    with pytest.raises(ValueError, match=r"verify\(layer=1\): `slots` must be the step's, as its first verify gave "
+                                         + re.escape(f"them ({slots.tolist()}); got [{int(ids[2])}, {int(ids[1])}]")):
+        verify(1, torch.stack([ids[2], ids[1]]), parents)
+    with pytest.raises(ValueError, match=r"verify\(layer=1\): `parents` must be the step's"):
+        verify(1, slots.clone(), torch.full((2, 3), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"verify\(layer=0\): layer 0 was verified already in this step"):
+        verify(0, slots, parents)
+    unchanged(snap)
+    verify(1, slots.clone(), parents.clone())  # equal values in other tensors: the same step
+    snap = {n: getattr(pool, n).clone() for n in names}
+    with pytest.raises(ValueError, match=r"commit: `slots` must be the step's"):
+        pool.commit(torch.tensor([-1, int(slots[1])], dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
+                    path=torch.tensor([[0, 1, 2]] * 2, dtype=torch.int32))
+    unchanged(snap)
+    pool.commit(slots, torch.zeros(2, dtype=torch.int32), path=torch.tensor([[0, 1, 2]] * 2, dtype=torch.int32))
+    assert rel(read_states(pool, slots.tolist()), committed) < 1e-6
+    pool.check()
+
+
+def test_parents_out_of_range_with_the_conv_refuse_the_row_and_leave_no_step_open() -> None:
+    """A tree row whose parents name a later or missing node, with the conv: the row is refused and recorded (as
+    without the conv), no IndexError from the drafts' conv, and the step commits."""
+    pool = build(KDAHeads(1, 2, K, V), L=5, conv_kernel_size=4)
+    gen = torch.Generator().manual_seed(8)
+    model = make_model(pool, gen, conv=True)
+    ids = pool.alloc(2)
+    before = read_states(pool, ids.tolist())
+    windows = pool.read_conv_state(0, ids)
+    parents = torch.tensor([[-1, 0, 1], [-1, 0, 7]], dtype=torch.int32)
+    verify_all(pool, model, random_drafts(pool, 2, 3, gen), ids, parents)
+    pool.commit(ids, torch.tensor([2, 2], dtype=torch.int32), path=torch.tensor([[0, 1, 2]] * 2, dtype=torch.int32))
+    with pytest.raises(SlotError, match=rf"verify\(layer=0\): 1 row\(s\).*row 1 slot {int(ids[1])}"):
+        pool.check()
+    assert rel(read_states(pool, ids[1:].tolist()), before[:, 1:]) == 0
+    assert torch.equal(pool.read_conv_state(0, ids[1:]), windows[1:])
+    assert int(pool.cursors[int(ids[0])]) == 2  # the good row committed
 
 
 def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records_them() -> None:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _spec_helpers import decode_step, make_model, random_drafts, read_states, rel, verify_all
+import tp_replayssm.pool.spec as pool_spec
 from tp_replayssm import KDAHeads, ReplaySSMStatePool
 from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.kernels.verify_plan import plan_verify
@@ -115,9 +116,11 @@ def test_verify_kernel_rebase(interpreter: None) -> None:
 
 @on_cpu_machine
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_commit_kernels(tree: bool, interpreter: None) -> None:
+def test_commit_kernels(tree: bool, interpreter: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The commit kernels (one-program verdicts and cursors; the tree compaction) against the torch ops, bitwise,
-    with a conv window, a fold, a bad num_accepted and a padding row."""
+    with a conv window, a fold, a bad num_accepted and a padding row; then a commit of bad slots that the verify did
+    not name, which the pool's host check refuses (patched out here: during a graph capture it does not run, and the
+    kernel must refuse those rows itself)."""
     pool = _pool(KDAHeads(1, 2, 16, 16), num_layers=2, ring_length=5, conv_kernel_size=3)
     gen = torch.Generator().manual_seed(5)
     model = make_model(pool, gen, conv=True)
@@ -144,6 +147,9 @@ def test_commit_kernels(tree: bool, interpreter: None) -> None:
             verify_all(p, model, drafts, slots, parents)
     cursors = pool.cursors.clone()
     bad = torch.tensor([pool.num_slots + 3, 0, 0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"commit: `slots` must be the step's, as its first verify gave them"):
+        pool.commit(bad, torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(pool_spec, "_same_as_step", lambda *args: None)
     n = torch.tensor([1, 1, 1, 9], dtype=torch.int32)
     pool.commit(bad, n, path=path)
     with use_cpu_backend("torch"):

@@ -93,6 +93,13 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         raise ValueError(f"{where}: every verify of a step must take the same rows and drafts: this step has B = "
                          f"{step.batch}, T = {step.drafts}, {'a chain' if step.parents is None else 'a tree'}; got "
                          f"B = {B}, T = {T}, {'a chain' if parents is None else 'a tree'} (call commit first)")
+    if step is not None:
+        if layer in step.layers:  # a second fold of a folded ring would count the committed entries twice
+            raise ValueError(f"{where}: layer {layer} was verified already in this step (layers "
+                             f"{sorted(step.layers)}); each layer is verified once, then commit")
+        _same_as_step(step.slots, slots, "slots", where)
+        if parents is not None:
+            _same_as_step(step.parents, parents, "parents", where)
     checked = pool.__dict__.setdefault("_spec_layer_checked", set())
     if layer not in checked:
         views = pool.layer(layer)
@@ -110,10 +117,11 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     if out is None:
         out = torch.empty(B, T, lh.num_v_heads, lh.value_dim, dtype=mixed_qkv.dtype, device=pool.device)
     folded, counters = _spec_tensors(pool)
+    if conv_weight is not None:  # (before the step opens: nothing has been written if it raises)
+        mixed_qkv = _draft_conv(pool, layer, mixed_qkv, conv_weight, conv_bias, slots, parents)
     if step is None:
         step = pool._spec_step = SpecStep(B, T, parents, slots)
     if conv_weight is not None:
-        mixed_qkv = _draft_conv(pool, layer, mixed_qkv, conv_weight, conv_bias, slots, parents)
         step.conv_layers.add(layer)
     views = pool.layer(layer)
     call = VerifyCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, pool.cursors, parents,
@@ -121,6 +129,19 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     run_verify(call, dims, ring_layout=pool.ring_layout, guard=pool.guard("verify", layer), where=where, plan=plan)
     step.layers.add(layer)
     return out
+
+
+def _same_as_step(first: torch.Tensor, given: torch.Tensor, name: str, where: str) -> None:
+    """A later verify (or the commit) of an open step must name the step's rows as its first verify did: the same
+    tensor (an engine's step buffer: no check), else equal values, compared on the host (a sync; skipped while a CUDA
+    graph is captured, where syncing is not allowed)."""
+    if given is first:
+        return
+    if given.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if not torch.equal(given.to(first.device, first.dtype), first):
+        raise ValueError(f"{where}: `{name}` must be the step's, as its first verify gave them ({first.tolist()}); got "
+                         f"{given.tolist()} (every verify and the commit of a step take the same {name})")
 
 
 def _draft_conv(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor,
@@ -134,8 +155,10 @@ def _draft_conv(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: t
     window = pool.conv_state[layer].index_select(0, idx)
     if parents is None:
         y, _ = conv.conv_reference(x, window, weight, bias, "silu")
-    else:
-        y = tree_conv(x, window, weight, bias, parents.long(), "silu")
+    else:  # a row whose parents are not a tree is refused by the verify: its conv runs on roots, then zeroed
+        tree = parents_valid(parents.long())
+        live = live & tree
+        y = tree_conv(x, window, weight, bias, torch.where(tree[:, None], parents.long(), -1), "silu")
     _staging(pool, B, T)[layer].copy_(x)
     return torch.where(live[:, None, None], y, 0.0).to(x.dtype).contiguous()
 
@@ -148,6 +171,7 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
     if step is None:
         raise ValueError(f"{where}: no verify since the last commit (commit follows every layer's verify of a step)")
     validate_commit(slots, num_accepted, path, batch=step.batch, drafts=step.drafts, device=pool.device, where=where)
+    _same_as_step(step.slots, slots, "slots", where)  # (a verified row left out would keep a folded ring live)
     missing = sorted(set(range(pool.num_layers)) - step.layers)
     if missing:  # their rings hold no drafts: committing would move their cursors over stale entries
         raise ValueError(f"{where}: every layer's verify comes before the commit; layers {missing} of "
