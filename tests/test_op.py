@@ -320,7 +320,18 @@ BAD_INPUTS = {
     "lower_bound": (dict(lower_bound=float("inf")), "inf"),
     "k_cache-heads": (dict(k_cache=torch.randn(S, 3, L, K, dtype=torch.bfloat16)), "H = 3"),
     "initial_state-layout": (dict(initial_state=torch.randn(S, HV, K, V).transpose(2, 3)), "stride"),
-    "d_cache-ring": (dict(d_cache=torch.randn(S, HV, 0, V, dtype=torch.bfloat16)), "L = 0"),
+    "d_cache-ring": (dict(d_cache=torch.randn(S, HV, 0, V, dtype=torch.bfloat16)), r"\[5, 4, 4, 16\]; got \[5, 4, 0, "
+                                                                                 r"16\]"),
+    "d_cache-no-ring": (dict(d_cache=torch.randn(S, HV, 0, V, dtype=torch.bfloat16), k_cache=torch.randn(
+        S, H, 0, K, dtype=torch.bfloat16), g_cache=torch.randn(S, HV, 0, K)), "L = 0"),
+    # the ring whose length disagrees with the other two is the one named
+    "d_cache-ring-length": (dict(d_cache=torch.randn(S, HV, L + 1, V, dtype=torch.bfloat16)),
+                            r"\[5, 4, 4, 16\]; got \[5, 4, 5, 16\]"),
+    # H from k_cache and from mixed_qkv's width disagree: both named
+    "k_cache-value-heads": (dict(k_cache=torch.randn(S, HV, L, K, dtype=torch.bfloat16)),
+                            r"`mixed_qkv`'s width 128 = 2\*H\*K \+ HV\*V gives H = 2 q/k heads, but `k_cache` "
+                            r"\[S, H, L, K\] has H = 4"),
+    "use_qk_l2norm_in_kernel": (dict(use_qk_l2norm_in_kernel="yes"), r"must be a bool; got 'yes'"),
 }
 
 

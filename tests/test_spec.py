@@ -368,8 +368,15 @@ def test_debug_mode_raises_at_the_call() -> None:
         verify_all(pool, model, d, torch.tensor([0, 1], dtype=torch.int32),
                    torch.tensor([[-1, 1], [-1, 0]], dtype=torch.int32))
     verify_all(pool, model, d, torch.tensor([0, 1], dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"rows \[1\] have `num_accepted`"):
+    with pytest.raises(ValueError, match=r"rows \[1\] have `num_accepted`.*; num_accepted \[1, 3\]$"):
         pool.commit(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32))
+    pool.commit(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1, 2], dtype=torch.int32))
+    tree = torch.tensor([[-1, -1], [-1, 0]], dtype=torch.int32)
+    verify_all(pool, model, random_drafts(pool, 2, 2, gen), torch.tensor([0, 1], dtype=torch.int32), tree)
+    with pytest.raises(ValueError, match=re.escape("rows [0] have `num_accepted`") + r".*; num_accepted \[2, 2\], "
+                                         + re.escape("path [[0, 1], [0, 1]], parents [[-1, -1], [-1, 0]]") + "$"):
+        pool.commit(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 2], dtype=torch.int32),
+                    path=torch.tensor([[0, 1], [0, 1]], dtype=torch.int32))
 
 
 def test_debug_mode_refuses_slots_between_verify_and_commit() -> None:

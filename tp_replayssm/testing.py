@@ -31,7 +31,8 @@ class HeadParams:
 
 def random_head_params(num_v_heads: int, key_dim: int, *, device: torch.device | str = "cpu",
                        generator: torch.Generator | None = None) -> HeadParams:
-    """Gates in the range real KDA checkpoints use (decay per step between ~0.3 and ~0.999)."""
+    """Gates in the range real KDA checkpoints use: a decay per step ``exp(g)`` between ~0.3 and ~0.99 at ``a = 0``
+    (with :func:`random_decode_inputs`' ``a`` added, down to ~0.01)."""
     A_log = torch.empty(num_v_heads).uniform_(-1.0, 0.5, generator=generator)
     dt_bias = torch.empty(num_v_heads * key_dim).uniform_(-4.0, 0.0, generator=generator)
     return HeadParams(A_log.to(device), dt_bias.to(device))
@@ -116,8 +117,9 @@ def random_ring_caches(num_slots: int, num_q_heads: int, num_v_heads: int, key_d
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random caches of ``num_slots`` slots, every ring entry filled: checkpoint ``[S, HV, V, K]`` (``state_dtype``),
     bf16 rings ``d [S, HV, L, V]`` and ``k [S, H, L, K]``, fp32 ``g [S, HV, L, K]`` (per-step log-gates in
-    ``(-0.05, 0]``). ``predecayed``: the pre-decayed layout of the same draws (``k`` per value head, ``k * exp(-G)``;
-    ``g`` cumulative). Drawn on ``device``, or with ``generator`` on the CPU and then moved."""
+    ``(-0.05, 0]``). ``predecayed``: the pre-decayed layout (``k`` drawn per value head, then ``k * exp(-G)``; ``g``
+    cumulative), so with ``H < HV`` its draws are not the sglang layout's (with ``H = HV`` they are, pre-decayed).
+    Drawn on ``device``, or with ``generator`` on the CPU and then moved."""
     from .reference import predecay_rings
 
     draw = torch.device("cpu") if generator is not None else torch.device(device)
@@ -132,8 +134,8 @@ def random_ring_caches(num_slots: int, num_q_heads: int, num_v_heads: int, key_d
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """``||actual - expected|| / ||expected||`` in float64; NaN anywhere gives ``inf``."""
+    """``||actual - expected|| / ||expected||`` in float64; a NaN or inf in either gives ``inf``."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-    if not torch.isfinite(a).all():
+    if not (torch.isfinite(a).all() and torch.isfinite(e).all()):
         return float("inf")
     return float((a - e).norm() / e.norm().clamp_min(1e-30))

@@ -95,7 +95,8 @@ def describe(t: object) -> str:
     """``shape [..] dtype .. device ..`` of a tensor, else its type and value (for error texts)."""
     if isinstance(t, torch.Tensor):
         return f"tensor shape {list(t.shape)} dtype {t.dtype} device {t.device}"
-    return f"{type(t).__name__} {t!r}"
+    text = repr(t)
+    return f"{type(t).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def _fail(where: str, arg: str, expected: str, actual: object) -> ValueError:
@@ -145,7 +146,9 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         raise _fail(where, "initial_state", "non-empty [S, HV, V, K]", list(initial_state.shape))
     if not isinstance(d_cache, torch.Tensor) or d_cache.dim() != 4:
         raise _fail(where, "d_cache", "a 4-D tensor [S, HV, L, V]", describe(d_cache))
-    L = d_cache.shape[2]
+    # L: the ring length most of the three rings share (d_cache's on a tie), so the error names the odd one
+    lengths = [t.shape[2] for t in (d_cache, k_cache, g_cache) if isinstance(t, torch.Tensor) and t.dim() == 4]
+    L = max(set(lengths), key=lambda n: (lengths.count(n), n == d_cache.shape[2]))
     if L < 1:
         raise _fail(where, "d_cache", "a ring of length L >= 1 (dim 2)", f"L = {L}")
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
@@ -164,6 +167,11 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         H = k_cache.shape[1]
         if H < 1 or HV % H != 0:
             raise _fail(where, "k_cache", f"[S, H, L, K] with HV % H == 0 (HV = {HV} from initial_state)", f"H = {H}")
+        qk_width = mixed_qkv.shape[1] - HV * V  # the q/k heads mixed_qkv's width gives, where it gives a valid count
+        if qk_width != 2 * H * K and qk_width > 0 and qk_width % (2 * K) == 0 and HV % (qk_width // (2 * K)) == 0:
+            raise ValueError(f"{where}: `mixed_qkv`'s width {mixed_qkv.shape[1]} = 2*H*K + HV*V gives H = "
+                             f"{qk_width // (2 * K)} q/k heads, but `k_cache` [S, H, L, K] has H = {H} (HV = {HV}, "
+                             f"K = {K}, V = {V}): one of the two is wrong")
     check_tensor(where, "initial_state", initial_state, ((S, HV, V, K),), STATE_DTYPES)
     check_tensor(where, "d_cache", d_cache, ((S, HV, L, V),), CACHE_DTYPES)
     check_tensor(where, "k_cache", k_cache, ((S, HV if predecayed else H, L, K),), (d_cache.dtype,))
@@ -186,7 +194,7 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         check_tensor(where, "write_pos", write_pos, ((B,),), (torch.int32,), last_contiguous=False)
     if force_flush is not None:
         check_tensor(where, "force_flush", force_flush, ((B,),), (torch.int32,), last_contiguous=False)
-    _check_scalars(where, scale, lower_bound)
+    _check_scalars(where, scale, lower_bound, call.use_qk_l2norm_in_kernel)
     check_ring_layout(ring_layout, d_cache.dtype, where)
     devices = {name: getattr(call, name).device for name in CALL_TENSORS if getattr(call, name) is not None}
     if cursor_table:  # the pool's calls: its state fixes the device, and the caller's tensors are named against it
@@ -226,7 +234,9 @@ def _batch(where: str, per_row: dict[str, object]) -> int:
     return B
 
 
-def _check_scalars(where: str, scale: float | None, lower_bound: float | None) -> None:
+def _check_scalars(where: str, scale: float | None, lower_bound: float | None, use_l2norm: object = True) -> None:
+    if not isinstance(use_l2norm, bool):
+        raise _fail(where, "use_qk_l2norm_in_kernel", "a bool", repr(use_l2norm))
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise _fail(where, "scale", "None or a finite float", repr(scale))
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
@@ -258,7 +268,7 @@ def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", curso
         signature = None
     dims = _ACCEPTED.get(signature) if signature is not None else None
     if dims is not None:
-        _check_scalars(where, call.scale, call.lower_bound)
+        _check_scalars(where, call.scale, call.lower_bound, call.use_qk_l2norm_in_kernel)
         return dims
     dims = validate_decode(call, ring_layout=ring_layout, cursor_table=cursor_table, where=where,
                            num_q_heads=num_q_heads)

@@ -78,6 +78,8 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     """:meth:`ReplaySSMStatePool.verify`."""
     where = f"ReplaySSMStatePool.verify(layer={layer})"
     pool._check_layer(layer, "verify")
+    if not isinstance(use_qk_l2norm_in_kernel, bool):
+        raise ValueError(f"{where}: `use_qk_l2norm_in_kernel` must be a bool; got {use_qk_l2norm_in_kernel!r}")
     lh = pool.local_heads
     dims = validate_verify(mixed_qkv, a, b, A_log, dt_bias, slots, parents, out, scale, lower_bound,
                            num_q_heads=lh.num_q_heads, num_v_heads=lh.num_v_heads, key_dim=lh.key_dim,
@@ -185,7 +187,9 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
         if bool(bad.any()):
             raise ValueError(f"{where} (debug check): rows {bad.nonzero().flatten().tolist()} have `num_accepted` "
                              f"outside [0, T = {step.drafts}] or a `path` that is not a root-first parent chain; "
-                             f"num_accepted {num_accepted.tolist()}")
+                             f"num_accepted {num_accepted.tolist()}"
+                             + ("" if path is None else f", path {path.tolist()}")
+                             + ("" if step.parents is None else f", parents {step.parents.tolist()}"))
     conv_args = None
     if step.conv_layers:
         key = tuple(sorted(step.conv_layers))
