@@ -317,6 +317,8 @@ def test_arguments_are_checked_before_anything_is_written() -> None:
         pool.verify(0, x, a[:, :2], b, p.A_log, p.dt_bias, ids)
     with pytest.raises(ValueError, match="`parents` must be of dtype torch.int32"):
         pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, parents=torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"verify\(layer=0\): `use_qk_l2norm_in_kernel` must be a bool; got 'yes'"):
+        pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, use_qk_l2norm_in_kernel="yes")
     with pytest.raises(ValueError, match="no verify since the last commit"):
         pool.commit(ids, torch.zeros(2, dtype=torch.int32))
     pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0])

@@ -75,7 +75,7 @@ def _fail(where: str, arg: str, expected: str, actual: object) -> ValueError:
 def validate_verify(mixed_qkv: object, a: object, b: object, A_log: object, dt_bias: object, slots: object,
                     parents: object, out: object, scale: object, lower_bound: object, *, num_q_heads: int,
                     num_v_heads: int, key_dim: int, value_dim: int, ring_length: int, num_slots: int,
-                    device: torch.device, where: str) -> VerifyDims:
+                    device: torch.device, where: str, use_l2norm: object = True) -> VerifyDims:
     """Check the caller's arguments of one verify (the pool's own tensors are right by construction)."""
     H, HV, K, V, L = num_q_heads, num_v_heads, key_dim, value_dim, ring_length
     D = 2 * H * K + HV * V
@@ -98,7 +98,7 @@ def validate_verify(mixed_qkv: object, a: object, b: object, A_log: object, dt_b
         check_tensor(where, "parents", parents, ((B, T),), (torch.int32,))
     if out is not None:
         check_tensor(where, "out", out, ((B, T, HV, V),), (mixed_qkv.dtype,))
-    _check_scalars(where, scale, lower_bound)
+    _check_scalars(where, scale, lower_bound, use_l2norm)
     for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias),
                     ("slots", slots), ("parents", parents), ("out", out)):
         if t is not None and t.device != device:

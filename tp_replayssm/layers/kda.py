@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..pool.slots import check_ids, raise_slot_error, waiting
+from ..pool.slots import check_ids, refuse_bad_ids
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
 from .config import KDALayerConfig
@@ -254,8 +254,7 @@ class TPKimiDeltaAttention(torch.nn.Module):
         cu = _host_cu_seqlens(cu_seqlens, x.shape[0], slots.shape[0], where)
         pool, layer = self.pool, self.layer_idx
         pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
-        ids = [int(i) for i in slots.tolist()]
-        raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=True) + waiting(pool, ids))
+        refuse_bad_ids(pool, [int(i) for i in slots.tolist()], where, unique=True)
         states = pool.read_state(layer, slots)
         mixed, a, b, gate = self._project(x)
         if self.conv_weight is not None:

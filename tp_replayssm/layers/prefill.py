@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pool.slots import check_ids, raise_slot_error, waiting
+from ..pool.slots import check_ids, refuse_bad_ids
 from .kda_torch import chunk_kda_torch, kda_activations
 
 if TYPE_CHECKING:
@@ -98,6 +98,6 @@ def end_prefill(pool: ReplaySSMStatePool, slots: torch.Tensor) -> None:
     where = "end_prefill"
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     ids = [int(i) for i in slots.tolist()]
-    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=True) + waiting(pool, ids))
+    refuse_bad_ids(pool, ids, where, unique=True)
     if ids:
         pool.cursors.index_fill_(0, slots.long(), 0)

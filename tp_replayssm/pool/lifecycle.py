@@ -35,7 +35,7 @@ from ..reference import replay_predecayed_ring, replay_ring
 from ..tp.devices import resolve_device
 from ..validation import describe
 from .shard import StateShard
-from .slots import host_ids, raise_slot_error, waiting
+from .slots import host_ids, raise_slot_error, refuse_bad_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -152,7 +152,7 @@ def _host_slots(pool: ReplaySSMStatePool, slots: object, where: str, *, unique: 
         raise ValueError(f"{where}: `slots` must be on {pool.device} (or a list of ints); got {describe(slots)}")
     ids = host_ids(slots, where)
     pool.check()
-    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique) + waiting(pool, ids))
+    refuse_bad_ids(pool, ids, where, unique=unique)
     return ids
 
 

@@ -226,8 +226,8 @@ class ReplaySSMStatePool:
     def check(self) -> None:
         """Raise :class:`SlotError` for the first call since the last check that named a bad slot (out of range,
         not allocated, or repeated within the call), naming its method, layer, rows and slot ids, and why as far as
-        the host can tell now (``SlotTable.diagnose``); then clear the record. The kernels treated those rows as padding rows (zero output, nothing written). Syncs with the
-        device (it reads the record back)."""
+        the host can tell now (``SlotTable.diagnose``); then clear the record. The kernels treated those rows as
+        padding rows (zero output, nothing written). Syncs with the device (it reads the record back)."""
         message = describe_record(self.slot_errors.tolist(), self._slots.diagnose)
         if message is not None:
             self.slot_errors.zero_()

@@ -19,7 +19,7 @@ from ..validation import describe
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["SlotTable", "check_ids", "debug_check", "in_flight", "is_int", "waiting"]
+__all__ = ["SlotTable", "check_ids", "debug_check", "in_flight", "is_int", "refuse_bad_ids", "waiting"]
 
 
 def is_int(x: object) -> bool:
@@ -167,6 +167,13 @@ def waiting(pool: ReplaySSMStatePool, ids: Iterable[int]) -> list[str]:
     check of a call that syncs anyway (load_state, export/import, prefill) or of debug mode."""
     busy = sorted(set(ids) & in_flight(pool))
     return [f"slots between a verify and its commit (they wait for the commit): {busy}"] if busy else []
+
+
+def refuse_bad_ids(pool: ReplaySSMStatePool, ids: list[int], where: str, *, unique: bool, writes: bool = True) -> None:
+    """The host check of the slot ids of a call that syncs anyway (after its ``pool.check()``): each allocated,
+    (``unique``) named once and (``writes``) not in the open verify step (:func:`waiting`); ``SlotError`` otherwise."""
+    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique)
+                     + (waiting(pool, ids) if writes else []))
 
 
 def debug_check(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, allow_padding: bool,

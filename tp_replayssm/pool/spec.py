@@ -78,13 +78,11 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     """:meth:`ReplaySSMStatePool.verify`."""
     where = f"ReplaySSMStatePool.verify(layer={layer})"
     pool._check_layer(layer, "verify")
-    if not isinstance(use_qk_l2norm_in_kernel, bool):
-        raise ValueError(f"{where}: `use_qk_l2norm_in_kernel` must be a bool; got {use_qk_l2norm_in_kernel!r}")
     lh = pool.local_heads
     dims = validate_verify(mixed_qkv, a, b, A_log, dt_bias, slots, parents, out, scale, lower_bound,
                            num_q_heads=lh.num_q_heads, num_v_heads=lh.num_v_heads, key_dim=lh.key_dim,
                            value_dim=lh.value_dim, ring_length=pool.ring_length, num_slots=pool.num_slots,
-                           device=pool.device, where=where)
+                           device=pool.device, where=where, use_l2norm=use_qk_l2norm_in_kernel)
     B, T = dims.batch, dims.drafts
     if conv_weight is not None:
         conv.check_conv_args(pool, mixed_qkv, conv_weight, conv_bias, "silu", where, conv.DECODE_CONV_NAMES)

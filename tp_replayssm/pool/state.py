@@ -16,7 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from .slots import check_ids, raise_slot_error, waiting
+from .slots import check_ids, refuse_bad_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -78,9 +78,7 @@ def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, u
     """``pool.check()`` first, then the ids on the host: allocated, (``unique``) named once, and (``write``) not
     in the open verify step, whose slots wait for its commit (reads see their committed state)."""
     pool.check()
-    ids = [int(i) for i in slots.tolist()]
-    raise_slot_error(where, pool._slots.problems(ids, allow_padding=False, unique=unique)
-                     + (waiting(pool, ids) if write else []))
+    refuse_bad_ids(pool, [int(i) for i in slots.tolist()], where, unique=unique, writes=write)
 
 
 def read_conv_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
