@@ -9,8 +9,10 @@ Fields that the library derives from others follow an override of those others u
 ``value_chunk`` (at most ``value_tile``), ``advance_readers`` (from ``value_tile``, with the fused advance),
 ``vector_tiles`` (from the tile, chunk, warps and ``tensor_core_chunks``), ``chunk_stages`` (from
 ``tensor_core_chunks``), the pre-decayed rebase form ``predecayed_ring`` 2/3 (from ``maxnreg``) and, for a call with
-the conv (``conv_kernel_size``), ``fused_conv`` (from ``value_tile``) and ``conv_readers`` (from both). So
-``--override value_tile=64`` is the launch the library would make if it chose 64-row value tiles.
+the conv (``conv_kernel_size``), ``fused_conv`` (from ``value_tile``), ``conv_readers`` (from both) and
+``relaxed_conv_count`` (mode 2 with ``early_qk``). So ``--override value_tile=64`` is the launch the library would
+make if it chose 64-row value tiles, and ``--override early_qk=false`` the conv after the verdict with its fenced
+count.
 """
 
 from __future__ import annotations
@@ -122,4 +124,6 @@ def _derived(prob: Any, plan: Any, changes: dict[str, Any]) -> dict[str, Any]:
         fused = out.get("fused_conv", plan.fused_conv)
         follow("conv_readers", ("value_tile", "fused_conv"),
                lambda: conv_readers(prob, plan.value_tile) if fused == 2 else 0)
+        follow("relaxed_conv_count", ("value_tile", "fused_conv", "early_qk"),
+               lambda: fused == 2 and plan.early_qk)
     return out

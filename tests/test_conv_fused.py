@@ -66,7 +66,10 @@ def test_the_plan_fuses_the_conv_where_it_can() -> None:
                  problem(8, 8, 8, layout="sglang"), problem(4, 1, 2, device="cpu", key_dim=16, value_dim=16)):
         plan = plan_decode(prob, fuse_conv=True)
         assert plan.fused_conv in (1, 2)
+        assert plan.relaxed_conv_count == (plan.fused_conv == 2 and plan.early_qk), plan  # mode 2's count
         plan.check(prob)
+    assert plan_decode(problem(8, 8, 8), fuse_conv=True).relaxed_conv_count
+    assert not plan_decode(problem(8, 8, 8), fuse_conv=True).without_conv().relaxed_conv_count
 
 
 def test_plan_check_refuses_a_fused_conv_the_call_cannot_run() -> None:
@@ -86,7 +89,7 @@ def test_plan_check_refuses_a_fused_conv_the_call_cannot_run() -> None:
         with pytest.raises(ValueError, match="`relaxed_conv_count` is a form of the counted conv before the verdict"):
             dataclasses.replace(plan, relaxed_conv_count=True, **edit).check(prob)
     dataclasses.replace(plan, relaxed_conv_count=True).check(prob)
-    dataclasses.replace(plan, fused_conv=0, conv_readers=0).check(prob)  # two launches: always allowed
+    plan.without_conv().check(prob)  # two launches: always allowed
     big = problem(128, 32, 32)
     dataclasses.replace(plan_decode(big, fuse_conv=True), fused_conv=2, conv_readers=1).check(big)
 
@@ -153,7 +156,7 @@ def fused_and_two_launch_steps(H: int, HV: int, state: torch.dtype, slots: list[
             assert plan.fused_conv, plan
             if plan_edit:
                 plan = dataclasses.replace(plan, **plan_edit)
-            two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+            two = plan.without_conv()
             if fused_edit:
                 plan = dataclasses.replace(plan, **fused_edit)
             outs = []
@@ -234,23 +237,27 @@ def test_fused_conv_after_the_verdict_in_the_interpreter(interpreter: None, H: i
     and the conv computed inside the verdict's branch; in mode 2 each program counted at its end, the last reader
     reading the q/k windows again to write them): bit for bit the two launches, in mode 2 (the tiny-batch path) and
     mode 1, over a ring cycle and a flush."""
-    pools = fused_and_two_launch_steps(H, HV, state, slots, fused_edit={"early_qk": False})
+    pools = fused_and_two_launch_steps(H, HV, state, slots, fused_edit={"early_qk": False,
+                                                                         "relaxed_conv_count": False})
     for p in pools[:2]:
         p.check()
 
 
+@pytest.mark.parametrize("relaxed", [True, False], ids=["relaxed-count", "fenced-count"])
 @pytest.mark.parametrize("H, HV, slots", [(1, 2, [3, -1, 0, 2]), (1, 4, [2, -1, 3, 0, -1, -1, -1, -1])],
                          ids=["tiny", "one-program-per-tile"])
-def test_fused_relaxed_count_in_the_interpreter(interpreter: None, monkeypatch: pytest.MonkeyPatch, H: int, HV: int,
-                                                slots: list[int]) -> None:
-    """Mode 2 with the q/k windows' reader count relaxed (``relaxed_conv_count``, a plan edit: the count's increment
-    computed from q and k instead of fences around it): bit for bit the two launches over a ring cycle and a flush,
-    the counters zero again, on the tiny-batch path and on the path of one program per value tile (4 readers);
-    against the float64 conv1d feeding the PyTorch decode too."""
+def test_fused_mode2_counts_in_the_interpreter(interpreter: None, monkeypatch: pytest.MonkeyPatch, H: int, HV: int,
+                                               slots: list[int], relaxed: bool) -> None:
+    """Mode 2's q/k windows' reader count in both forms: the library's relaxed count (``relaxed_conv_count``: the
+    increment computed from q and k instead of fences around it) and the fenced ``acq_rel`` count (the plan edit
+    ``relaxed_conv_count=False``): bit for bit the two launches over a ring cycle and a flush, the counters zero
+    again, on the tiny-batch path and on the path of one program per value tile (4 readers); against the float64
+    conv1d feeding the PyTorch decode too."""
     seen = record_kernel_args(monkeypatch, "fused_conv", "relaxed_conv_count")
-    pools = fused_and_two_launch_steps(H, HV, torch.float32, slots, fused_edit={"relaxed_conv_count": True},
+    pools = fused_and_two_launch_steps(H, HV, torch.float32, slots, fused_edit={"relaxed_conv_count": relaxed},
                                        oracle=True)
-    assert (2, True) in seen and (0, False) in seen, set(seen)  # the edit reached the fused launches
+    assert plan_of(pools[0], len(slots), False).relaxed_conv_count  # the library's form
+    assert (2, relaxed) in seen and (0, False) in seen, set(seen)  # the form reached the fused launches
     assert plan_of(pools[0], len(slots), False).tiny_batch == (len(slots) == 4)
     for p in pools[:2]:
         p.check()
@@ -272,7 +279,7 @@ def test_fused_sglang_layout_in_the_interpreter(interpreter: None) -> None:
 
 
 @pytest.mark.parametrize("early, relaxed", [(False, False), (True, False), (True, True)],
-                         ids=["after-verdict", "early-loads", "relaxed-count"])
+                         ids=["after-verdict", "fenced-count", "relaxed-count"])
 def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool, relaxed: bool) -> None:
     """Rows naming a slot out of range, free or twice: zero outputs, no byte of any slot written (windows, states,
     rings, cursors), recorded once as decode; the counters zero again; the good rows as the two launches give them.
@@ -387,6 +394,7 @@ for batch, hv, advance in ((8, 32, True), (1, 8, False)):
         ins = [t for _, t in parse(r.pop("sass"))]
         count = lambda op: sum(op in t for t in ins)
         rows[f"B{batch} HV{hv} {relaxed}"] = dict(fused=plan.fused_conv, early=plan.early_qk, tiny=plan.tiny_batch,
+                                                  library=plan.relaxed_conv_count,
                                                   membar=count("MEMBAR"), cctl=count("CCTL"), f2i=count("F2I"),
                                                   stack=r["stack"])
 print("RESULT " + json.dumps(rows))
@@ -396,19 +404,20 @@ print("RESULT " + json.dumps(rows))
 @pytest.mark.timeout(300)
 def test_relaxed_count_drops_the_fences_on_sm90() -> None:
     """``relaxed_conv_count`` on sm_90 (the H200's triton; HV32 B8 bf16 with the fused advance, one-warp programs,
-    and HV8 B1, the 4-warp tiny path): the library's mode 2 count is fenced (``MEMBAR.ALL.GPU`` before the atomic,
-    ``CCTL.IVALL`` after it); the relaxed one has neither, its increment comes from q and k (the one ``F2I`` more:
-    their sum made an int, which the dependency needs), and the stack is the library's."""
+    and HV8 B1, the 4-warp tiny path): mode 2's fenced count (the plan edit ``relaxed_conv_count=False``) has
+    ``MEMBAR.ALL.GPU`` before the atomic and ``CCTL.IVALL`` after it; the library's relaxed count has neither, its
+    increment comes from q and k (the one ``F2I`` more: their sum made an int, which the dependency needs), and its
+    stack is the fenced form's."""
     from test_kernel_regs import _run_with_h200_triton
 
     rows = _run_with_h200_triton(RELAXED_SCRIPT)
     for shape in ("B8 HV32", "B1 HV8"):
-        lib, relaxed = rows[f"{shape} False"], rows[f"{shape} True"]
-        assert lib["fused"] == 2 and lib["early"], lib
-        assert lib["membar"] == 1 and lib["cctl"] == 1, lib
+        fenced, relaxed = rows[f"{shape} False"], rows[f"{shape} True"]
+        assert fenced["fused"] == 2 and fenced["early"] and fenced["library"], fenced
+        assert fenced["membar"] == 1 and fenced["cctl"] == 1, fenced
         assert relaxed["membar"] == 0 and relaxed["cctl"] == 0, relaxed
-        assert relaxed["f2i"] == lib["f2i"] + 1, (lib, relaxed)
-        assert relaxed["stack"] == lib["stack"], (lib, relaxed)
+        assert relaxed["f2i"] == fenced["f2i"] + 1, (fenced, relaxed)
+        assert relaxed["stack"] == fenced["stack"], (fenced, relaxed)
     assert rows["B1 HV8 False"]["tiny"] and not rows["B8 HV32 False"]["tiny"]
 
 
@@ -444,20 +453,20 @@ def gpu_pools(H: int, HV: int, B: int, state: torch.dtype) -> tuple[list[ReplayS
 
 GPU_SHAPES = [(32, 32, 128, torch.bfloat16), (8, 8, 8, torch.bfloat16), (2, 8, 64, torch.float32),
               (4, 4, 1, torch.bfloat16), (32, 32, 8, torch.float32)]
-GPU_FORMS = {"after-verdict": dict(early_qk=False), "early-loads": dict(early_qk=True),
-             "relaxed-count": dict(early_qk=True, relaxed_conv_count=True)}
+GPU_FORMS = {"after-verdict": dict(early_qk=False, relaxed_conv_count=False),
+             "fenced-count": dict(early_qk=True, relaxed_conv_count=False), "library": {}}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H,HV,B,state,form", [(*shape, form) for shape in GPU_SHAPES for form in GPU_FORMS
-                                               # (the relaxed count is mode 2's: every shape but the first)
-                                               if form != "relaxed-count" or shape[2] != 128])
+                                               # (mode 2's count: every shape but the first)
+                                               if form != "fenced-count" or shape[2] != 128])
 def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch.dtype, form: str) -> None:
     """On CUDA, a full ring cycle and a flush of two layers (the fused advance on the last): the fused launch (the
-    plan with ``fuse_conv=True``, the conv after the slot's verdict or, with ``early_qk``, its loads and math before
-    it, or that form with the reader count relaxed) and the two launches (that plan with fused_conv=0) on twin pools
-    agree: windows and cursors bit for bit, outputs, checkpoints and rings within bf16 rounding; the other windows
-    keep their sentinels; bad rows are zero and recorded once."""
+    library's plan with ``fuse_conv=True``: the conv's loads and math before the slot's verdict, mode 2's reader count
+    relaxed; or that form with the fenced count; or the conv after the verdict with the fenced count) and the two
+    launches (``plan.without_conv()``) on twin pools agree: windows and cursors bit for bit, outputs, checkpoints
+    and rings within bf16 rounding; the other windows keep their sentinels; bad rows are zero and recorded once."""
     pools, slots = gpu_pools(H, HV, B, state)
     D = pools[0].conv_channels
     gen = torch.Generator().manual_seed(3)
@@ -470,9 +479,9 @@ def test_fused_matches_two_launches_on_gpu(H: int, HV: int, B: int, state: torch
                                      generator=torch.Generator().manual_seed(step * 2 + layer))
             plan = plan_decode(problem(B, H, HV, state=state, advance=layer == 1), fuse_conv=True)
             assert plan.fused_conv
-            two = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+            two = plan.without_conv()
+            assert plan.relaxed_conv_count == (plan.fused_conv == 2 and plan.early_qk), plan
             plan = dataclasses.replace(plan, **GPU_FORMS[form])
-            assert plan.fused_conv == 2 or form != "relaxed-count", plan
             outs = [p.decode(layer, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots, conv_weight=weight,
                              conv_bias=bias, advance=layer == 1, plan=pl) for p, pl in ((pools[0], plan),
                                                                                        (pools[1], two))]

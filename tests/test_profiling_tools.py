@@ -386,3 +386,10 @@ def test_bench_pool_step_forms_and_streaming_options() -> None:
     assert fused is None and not plain.early_qk and plain.cursor_table and not plain.advance_readers
     plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 0, {}, {"value_tile": 128})
     assert plain is None and fused.value_tile == 128 and fused.advance_readers == 32  # derived fields follow
+    # with the conv: the mode-2 count follows early_qk (the conv after the verdict is fenced) unless named
+    plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 4, {}, {"early_qk": False})
+    assert fused.fused_conv == 2 and not fused.early_qk and not fused.relaxed_conv_count
+    plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 4, {}, {"value_tile": 128})
+    assert fused.fused_conv == 1 and not fused.relaxed_conv_count
+    plain, fused = bps.step_plans(32, 8, "bf16", "predecayed", 16, 4, {}, {"relaxed_conv_count": False})
+    assert fused.fused_conv == 2 and fused.early_qk and not fused.relaxed_conv_count

@@ -429,7 +429,7 @@ def test_plan_chooses_the_tensor_core_form_where_it_runs() -> None:
 def verify_form(request: pytest.FixtureRequest) -> str:
     """The verify form a test's calls take: the tensor-core form (the library's plan; or with
     ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params`` or ``merged_sums``, which
-    wait for the H200's timing) or the CUDA-core form."""
+    are plan edits no rule sets yet) or the CUDA-core form."""
     return request.param
 
 

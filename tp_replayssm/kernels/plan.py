@@ -126,10 +126,11 @@ class DecodePlan:
     # not after the slot's verdict (with fused_conv: the conv's windows, inputs and taps, and its math); see
     # early_qk_rule
     pinned_loads: bool = False  # the row's loads (first checkpoint chunk, last gate row, inputs, the gate's
-    # parameters) kept above the slot's verdict branch, which ptxas otherwise sinks them into: a plan edit, not yet
-    # timed, so no rule sets it (docs/tuning.md, "Slot checks")
+    # parameters) kept above the slot's verdict branch, which ptxas otherwise sinks them into: a plan edit, slower on
+    # the H200 at three of four shapes, so no rule sets it (docs/tuning.md, "Slot checks")
     relaxed_conv_count: bool = False  # fused_conv 2 with early_qk: the q/k windows' reader count without the fences,
-    # ordered by a dependency on the windows read (docs/conv.md, "The count without fences"); a plan edit, not yet timed
+    # ordered by a dependency on the windows read (docs/conv.md, "The count without fences"); set
+    # wherever the plan has both (plan_decode): the H200 measured it 0.3-0.6 us faster a layer step at B <= 8
 
     def __str__(self) -> str:
         return "DecodePlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -150,6 +151,10 @@ class DecodePlan:
                     on_gpu=self.on_gpu, fused_conv=self.fused_conv, conv_readers=self.conv_readers,
                     late_count=self.late_count, early_qk=self.early_qk, pinned_loads=self.pinned_loads,
                     relaxed_conv_count=self.relaxed_conv_count)
+
+    def without_conv(self) -> DecodePlan:
+        """This plan with the conv in a launch of its own (``fused_conv`` 0 and the fused conv's fields off)."""
+        return dataclasses.replace(self, fused_conv=0, conv_readers=0, relaxed_conv_count=False)
 
     def check(self, problem: DecodeProblem, *, device_code: bool = True) -> None:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
@@ -193,14 +198,18 @@ class DecodePlan:
         """The fused conv's fields against ``problem`` (:func:`fused_conv_mode`)."""
         if self.fused_conv not in (0, 1, 2):
             raise ValueError(f"DecodePlan: `fused_conv` must be 0, 1 or 2; got {self.fused_conv}")
-        if self.relaxed_conv_count and not (self.fused_conv == 2 and self.early_qk):
-            raise ValueError(f"DecodePlan: `relaxed_conv_count` is a form of the counted conv before the verdict: it "
-                             f"needs fused_conv 2 and early_qk; got fused_conv={self.fused_conv}, "
-                             f"early_qk={self.early_qk}")
         if not self.fused_conv:
             if self.conv_readers:
                 raise ValueError(f"DecodePlan: `conv_readers` must be 0 without a fused conv; got {self.conv_readers}")
-            return
+        else:
+            self._check_conv_mode(problem)
+        if self.relaxed_conv_count and not (self.fused_conv == 2 and self.early_qk):
+            raise ValueError(f"DecodePlan: `relaxed_conv_count` is a form of the counted conv before the verdict: it "
+                             f"needs fused_conv 2 and early_qk; got fused_conv={self.fused_conv}, "
+                             f"early_qk={self.early_qk} (an edit that turns either off sets relaxed_conv_count=False "
+                             f"too; DecodePlan.without_conv() does for two launches)")
+
+    def _check_conv_mode(self, problem: DecodeProblem) -> None:
         if not fusable(problem):
             raise ValueError(f"DecodePlan: `fused_conv` {self.fused_conv} needs a pre-conv call with a window (W >= 2) "
                              f"on the pool's cursor table with power-of-two K and V (conv_kernel_size={problem.conv_kernel_size}, "
@@ -212,7 +221,6 @@ class DecodePlan:
         if self.fused_conv == 2 and self.conv_readers != readers:
             raise ValueError(f"DecodePlan: `conv_readers` must be {readers} for value tiles of {self.value_tile} "
                              f"rows; got {self.conv_readers}")
-
 
 def launch_config(vt: int, warps: int, evict_state_first: bool = False, chunk_stages: int = 0,
                   cursor_table: bool = False, early_loads: int = 0) -> helion.Config:
@@ -403,6 +411,7 @@ def plan_decode(problem: DecodeProblem, *, fuse_conv: bool | None = None) -> Dec
     fused, readers = fused_conv_mode(problem, vt) if fuse_conv else (0, 0)
     vector_tiles = _vector_tiles(problem, vt, chunk, warps, mma)
     tiny = problem.batch * problem.num_v_heads < TINY_BATCH_BELOW
+    early_qk = early_qk_rule(problem, tiny, fused, warps, evict)
     return DecodePlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, maxnreg=maxnreg,
         chunk_stages=MMA_CHUNK_STAGES if mma else 0, evict_state_first=evict, tensor_core_chunks=mma,
@@ -414,4 +423,4 @@ def plan_decode(problem: DecodeProblem, *, fuse_conv: bool | None = None) -> Dec
         ring_length=problem.ring_length, ring_block=max(16, 1 << (problem.ring_length - 1).bit_length()),
         use_l2norm=problem.use_l2norm, use_lower_bound=problem.use_lower_bound, fused_conv=fused,
         conv_readers=readers, late_count=late_count_rule(problem.advance, vector_tiles, mma, fused),
-        early_qk=early_qk_rule(problem, tiny, fused, warps, evict))
+        early_qk=early_qk, relaxed_conv_count=fused == 2 and early_qk)

@@ -28,8 +28,8 @@ docs/spec.md):
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
 
-Two fields no rule sets yet, plan edits that wait for the H200's timing (DEVELOPERS.md): ``early_params`` and
-``merged_sums`` (docs/tuning.md, "The verify form").
+Two fields no rule sets (DEVELOPERS.md, "Plan choices that wait for the H200"): ``early_params`` (timed, not faster)
+and ``merged_sums`` (timed faster; its GPU test has yet to run) (docs/tuning.md, "The verify form").
 """
 
 from __future__ import annotations
@@ -146,10 +146,12 @@ class VerifyPlan:
     # over the tile before it
     maxnreg: int | None = None  # ptxas register cap per thread, a Triton launcher option beside the Helion config
     early_params: bool = False  # tensor cores: the gate's parameters (dt_bias row, A_log) loaded beside the drafts'
-    # inputs, not after the norms' reduction and its barriers (a plan edit, not yet timed: docs/tuning.md)
+    # inputs, not after the norms' reduction and its barriers (a plan edit: -1.7% to +0.4% on the H200, not adopted;
+    # docs/tuning.md)
     merged_sums: bool = False  # tensor cores with batched_reductions: the norms, the drafts' couplings and the rebase
     # test summed in one reduction (the couplings on the raw inputs, scaled by the norms after it; the rebase test a
-    # count: verify_math.merged_terms), not three (a plan edit, not yet timed: docs/tuning.md)
+    # count: verify_math.merged_terms), not three (a plan edit: 3.2-5.5% faster on the H200 up to B = 32; no rule
+    # sets it until its GPU test has run: DEVELOPERS.md, docs/tuning.md)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"

@@ -178,7 +178,7 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
                    num_q_heads=pool.local_heads.num_q_heads)
         return
     if plan is not None:
-        plan = dataclasses.replace(plan, fused_conv=0, conv_readers=0)
+        plan = plan.without_conv()
     call = conv_before_decode(pool, layer, call, weight, bias, advance=advance, plan=plan, where=where,
                               conv_plan=conv_plan)
     run_decode(call, ring_layout=pool.ring_layout, cursor_table=True, advance=advance, plan=plan, guard=guard,
