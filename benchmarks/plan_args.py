@@ -73,7 +73,8 @@ def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int 
     ``conv_kernel_size``: the pool's conv W when ``mixed_qkv`` is pre-conv)."""
     import torch
 
-    from tp_replayssm.kernels.plan import H200_SMS, DecodeProblem
+    from tp_replayssm.kernels.grid import H200_SMS
+    from tp_replayssm.kernels.plan import DecodeProblem
     from tp_replayssm.validation import PREDECAYED_MAX_LOG_DECAY
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -102,7 +103,8 @@ def build_plan(*, override: str | dict[str, Any] = "", fuse_conv: bool | None = 
 def _derived(prob: Any, plan: Any, changes: dict[str, Any]) -> dict[str, Any]:
     """The derived fields (module docstring) of ``plan`` recomputed after ``changes``, except those ``changes``
     names itself."""
-    from tp_replayssm.kernels.plan import MMA_CHUNK_STAGES, _vector_tiles, conv_readers, cursor_readers, fused_conv_mode
+    from tp_replayssm.kernels.grid import MMA_CHUNK_STAGES, _vector_tiles
+    from tp_replayssm.kernels.plan import conv_readers, cursor_readers, fused_conv_mode
 
     out: dict[str, Any] = {}
 

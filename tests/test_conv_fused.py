@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.kernels.backend import use_cpu_backend
-from tp_replayssm.kernels.plan import FUSE_CONV_FROM, H200_SMS, DecodeProblem, conv_readers, fusable, plan_decode
+from tp_replayssm.kernels.grid import H200_SMS
+from tp_replayssm.kernels.plan import FUSE_CONV_FROM, DecodeProblem, conv_readers, fusable, plan_decode
 from tp_replayssm.testing import random_decode_inputs, random_head_params
 
 from _decode_scenario import record_kernel_args

@@ -223,7 +223,7 @@ def test_fused_advance_needs_the_cursor_table() -> None:
 
 # (B, HV, state dtype): readers per row from 4 (HV4 B512) to 256 (HV32 B1 pre-decayed); HV8 B1 is tiny-batch; in the
 # sglang layout HV32 B1 and HV8 B8 are 4-warp programs (one chunk and two), HV12 B8 the smallest one-warp grid
-# (plan.ONE_WARP_FROM); pre-decayed, B1 HV32 to B8 HV16 are one-warp programs over 16 value rows
+# (grid.ONE_WARP_FROM); pre-decayed, B1 HV32 to B8 HV16 are one-warp programs over 16 value rows
 GPU_SHAPES = {
     "HV32-B1-bf16": (1, 32, torch.bfloat16), "HV8-B1-bf16": (1, 8, torch.bfloat16),
     "HV32-B8-fp32": (8, 32, torch.float32), "HV16-B8-bf16": (8, 16, torch.bfloat16),

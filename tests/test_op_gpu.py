@@ -78,7 +78,7 @@ def test_tensor_core_chunks_keep_fp32_accuracy(B: int, HV: int) -> None:
 
 def test_fp32_register_path_under_the_one_wave_cap() -> None:
     """HV12 B128 with an fp32 checkpoint (1536 one-warp programs) runs 8-row chunks under the 168-register cap,
-    which fits the grid into one wave (``plan._capped_one_wave``); the sglang layout's kernel there, a full cycle
+    which fits the grid into one wave (``grid._capped_one_wave``); the sglang layout's kernel there, a full cycle
     plus one step against the reference and the float64 recurrence."""
     plan = _plan(DecodeDims(128, 12, 12, 128, 128, 16, 131), torch.float32)
     assert plan.maxnreg == 168 and plan.value_chunk == 8 and not plan.tensor_core_chunks, plan

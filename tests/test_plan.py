@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import helion
-from tp_replayssm.kernels import cursor, decode, plan
+from tp_replayssm.kernels import cursor, decode, grid, plan
 from tp_replayssm.kernels.args import decode_kernel_args
 from tp_replayssm.kernels.guard import spare_guard
-from tp_replayssm.kernels.plan import DecodePlan, DecodeProblem, launch_config, plan_decode, problem_of
+from tp_replayssm.kernels.grid import launch_config
+from tp_replayssm.kernels.plan import DecodePlan, DecodeProblem, plan_decode, problem_of
 from tp_replayssm.validation import DecodeDims
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,9 +92,9 @@ def test_gpu_plan_is_stable_and_cached() -> None:
 
 
 def test_tiny_batch_path_only_below_the_threshold() -> None:
-    batch = plan.TINY_BATCH_BELOW // 4 - 1  # 4 value heads a row
+    batch = grid.TINY_BATCH_BELOW // 4 - 1  # 4 value heads a row
     assert _plan(batch, 4, q_heads=2).tiny_batch
-    assert not _plan(plan.TINY_BATCH_BELOW // 4, 4, q_heads=2).tiny_batch
+    assert not _plan(grid.TINY_BATCH_BELOW // 4, 4, q_heads=2).tiny_batch
 
 
 def test_vector_tiles_only_for_one_warp_register_chunks() -> None:
@@ -102,7 +103,7 @@ def test_vector_tiles_only_for_one_warp_register_chunks() -> None:
     H200), and keys of a power-of-two width only. An edited plan may put them on other programs, but never on
     tensor-core chunks or on such keys (``DecodePlan.check``)."""
     def tiles(vt: int, warps: int, dtype: torch.dtype, mma: bool = False, K: int = 128) -> int:
-        return plan._vector_tiles(_problem(64, 8, key_dim=K, state=dtype), vt, 16, warps, mma)
+        return grid._vector_tiles(_problem(64, 8, key_dim=K, state=dtype), vt, 16, warps, mma)
 
     assert [tiles(64, 1, BF16), tiles(32, 1, BF16), tiles(16, 1, BF16)] == [1, 1, 2]
     assert [tiles(128, 1, FP32), tiles(64, 1, FP32), tiles(32, 1, FP32), tiles(16, 1, FP32)] == [1, 1, 0, 0]
@@ -135,7 +136,7 @@ def test_only_wide_keys_pin_the_eviction_policy() -> None:
             p = _plan(batch, heads, state=state)
             assert not p.evict_state_first and "load_eviction_policies" not in p.config.config, (batch, heads, state)
     wide = _plan(512, 32, key_dim=256).config
-    assert [i for i, policy in enumerate(wide.config["load_eviction_policies"]) if policy] == list(plan.STATE_LOADS)
+    assert [i for i, policy in enumerate(wide.config["load_eviction_policies"]) if policy] == list(grid.STATE_LOADS)
     cpu_config = _plan(512, 32, device=CPU).config
     assert "load_eviction_policies" not in cpu_config.config  # the interpreter's plan is unchanged
 
@@ -185,7 +186,7 @@ def test_small_grids_one_chunk_per_program_one_warp_from_96_pairs_or_16_pre_deca
     ``ONE_WARP_FROM`` (96) pairs one-warp programs: a bf16 checkpoint one 16-row tile each while that grid fits one
     wave (132 pairs on 132 SMs), fp32 16-row chunks over 32 rows. The pre-decayed layout: one-warp programs from
     ``ONE_WARP_FROM_PREDECAYED`` (16) pairs, one 16-row tile each while that grid fits one wave, then 32 rows."""
-    assert plan.ONE_WARP_FROM == 96 and plan.ONE_WARP_FROM_PREDECAYED == plan.TINY_BATCH_BELOW == 16
+    assert grid.ONE_WARP_FROM == 96 and grid.ONE_WARP_FROM_PREDECAYED == grid.TINY_BATCH_BELOW == 16
     tiny, one_chunk, two_chunks = (16, 16, 4), (32, 32, 4), (64, 32, 4)
     one_warp, one_row_tile = (32, 16, 1), (16, 16, 1)
     # (batch, heads): the sglang layout with an fp32 / a bf16 checkpoint, then the pre-decayed layout (either state)
@@ -212,7 +213,7 @@ def test_grid_rules_count_waves_of_the_devices_sms(monkeypatch: pytest.MonkeyPat
     64, and 2048 programs take the cap (3 waves instead of 4). 1536 programs are capped on both; on the fp32
     register path only where the cap makes them one wave (132 SMs, not 66)."""
     if not torch.cuda.is_available():
-        assert plan._sm_count(CUDA) == plan.H200_SMS == 132  # the H200's, where no GPU answers
+        assert grid._sm_count(CUDA) == grid.H200_SMS == 132  # the H200's, where no GPU answers
 
     def choice(batch: int, heads: int, state: torch.dtype = BF16) -> tuple[int, int | None]:
         p = _plan(batch, heads, state=state)

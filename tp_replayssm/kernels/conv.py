@@ -168,7 +168,7 @@ def _sm_count(device: torch.device) -> int:
     """Multiprocessors of ``device`` (cached per device: asked on every launch)."""
     n = _SMS.get(device)
     if n is None:
-        from .plan import _sm_count as sms
+        from .grid import _sm_count as sms
 
         n = _SMS[device] = sms(device)
     return n

@@ -43,7 +43,8 @@ import helion
 
 from ..spec_validation import VerifyCall, VerifyDims
 from ..validation import PREDECAYED_MAX_LOG_DECAY
-from .plan import H200_SMS, NAMED_BLOCK, _sm_count
+from .grid import H200_SMS, _sm_count
+from .plan import NAMED_BLOCK
 
 __all__ = ["VerifyPlan", "VerifyProblem", "plan_verify", "problem_of", "tensor_core_refusal"]
 
