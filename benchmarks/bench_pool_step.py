@@ -30,6 +30,12 @@ import logging
 import statistics
 import sys
 import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _path in (REPO, REPO / "benchmarks"):  # this checkout's package first (a worktree may share another's venv)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 STANDARD = "8x1,32x1,8x8,32x8,8x32,32x32,8x128,32x128,8x512,32x512"  # HVxB
 FORMS = ("decode+advance", "fused", "advance", "decode")
@@ -41,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shapes", default=STANDARD, help="comma-separated HVxB (H = HV, K = V = 128)")
     p.add_argument("--state", default="bf16,fp32", help="checkpoint dtypes, comma-separated")
     p.add_argument("--layout", default="predecayed", help="the pool's ring_layout")
-    p.add_argument("--ring-length", type=int, default=16)
+    p.add_argument("--ring-length", type=int, default=16, help="L, the ring's entries per slot")
     p.add_argument("--fused", action="store_true", help="the advance fused into the decode (else decode + advance)")
     p.add_argument("--both", action="store_true", help="time both forms")
     p.add_argument("--forms", default=None,
@@ -57,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="DecodePlan fields of the fused decode's plan (the step's last with --forms fused)")
     p.add_argument("--reps", type=int, default=30, help="timed rounds over all slot sets")
     p.add_argument("--out", default=None, help="JSON file for the rows")
+    p.add_argument("--print-plans", action="store_true",
+                   help="print each shape's edited plans (checked) and exit: no GPU needed")
     args = p.parse_args(argv)
     if args.forms:
         args.form_list = tuple(args.forms.split(","))
@@ -218,13 +226,25 @@ def main(argv: list[str] | None = None) -> None:
 
     import tp_replayssm
 
+    shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+    for state in args.state.split(","):  # every edited plan checked before any GPU work (plan_args.build_plan)
+        for hv, batch in shapes:
+            plans = step_plans(hv, batch, state, args.layout, args.ring_length, args.conv, args.override,
+                               args.fused_override)
+            if args.print_plans:
+                print(f"HV{hv} B{batch} {state}: plain {plans[0]}\n  fused {plans[1]}  (None: the pool's own plan)")
+    if args.print_plans:
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_pool_step.py times CUDA graphs: it needs a CUDA GPU (--print-plans checks the edited "
+                         "plans here; benchmarks/kernel_regs.py --override compiles one for sm_90 on CPU)")
+
     rows = []
     meta = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(), package=tp_replayssm.__file__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:])
     forms = args.form_list
     for state in args.state.split(","):
-        for shape in args.shapes.split(","):
-            hv, batch = (int(v) for v in shape.split("x"))
+        for hv, batch in shapes:
             for form in forms:
                 if args.settle:
                     gc.collect()

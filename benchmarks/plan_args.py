@@ -35,7 +35,10 @@ def _fields(plan_type: type | None = None) -> dict[str, type]:
 
 def override_arg(text: str, plan_type: type | None = None) -> dict[str, Any]:
     """``argparse`` type of ``--override``: ``field=value[,field=value...]`` of ``plan_type``'s fields (default
-    ``DecodePlan``) -> dict (ints, bools, ``none``)."""
+    ``DecodePlan``) -> dict, each value read as its field's type (``bool``: true/false/on/off; ``int``; ``int |
+    None``: an int or ``none``)."""
+    import difflib
+
     if not text:
         return {}
     fields = _fields(plan_type)
@@ -44,17 +47,26 @@ def override_arg(text: str, plan_type: type | None = None) -> dict[str, Any]:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or name not in fields:
-            raise argparse.ArgumentTypeError(f"expected field=value with field one of {sorted(fields)}; got {item!r}")
-        v = value.strip().lower()
-        if v in ("none", "null"):
-            out[name] = None
-        elif v in ("true", "false", "on", "off"):
+            near = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise argparse.ArgumentTypeError(f"expected field=value with field one of {sorted(fields)}; got "
+                                             f"{item!r}{hint}")
+        kind, v = str(fields[name]).replace(" ", ""), value.strip().lower()
+        if "=" in v or " " in v:
+            raise argparse.ArgumentTypeError(f"{name}: one field=value per item, items separated by commas; got "
+                                             f"{item!r}")
+        if kind == "bool":
+            if v not in ("true", "false", "on", "off"):
+                raise argparse.ArgumentTypeError(f"{name}: expected true or false; got {value!r}")
             out[name] = v in ("true", "on")
+        elif v in ("none", "null") and "None" in kind:
+            out[name] = None
         else:
             try:
                 out[name] = int(v)
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{name}: expected an int, true/false or none; got {value!r}") from None
+                raise argparse.ArgumentTypeError(f"{name}: expected an int{' or none' if 'None' in kind else ''}; "
+                                                 f"got {value!r}") from None
     return out
 
 

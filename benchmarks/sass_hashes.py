@@ -3,10 +3,13 @@
 A source edit that should not change the compiled kernel (a refactor, a comment, a helper) is proven so by
 compiling the committed kernel and the edited one here (no GPU; the H200's triton 3.6.0) and comparing their SASS
 instruction text per launch choice: equal text means the GPU timings and GPU test results carry over. The choices
-are the launch plans ``tp_replayssm.kernels.plan.plan_decode`` makes over K = V = 128, L = 16, B 1-512, HV 4-32, both checkpoint dtypes, both
-ring layouts, with and without a lower bound and the fused cursor advance, one per distinct set of compiled
-switches (launch config, value chunk, register cap, tensor-core chunks, tiny batch, gate, vector tiles, pre-decayed
-mode, fused advance): 108 programs, 3-25 s each on the 2-core CPU machine (15 min in all).
+are the launch plans ``tp_replayssm.kernels.plan.plan_decode`` makes over K = V = 128, L = 16, B 1-512, HV 4-32,
+both checkpoint dtypes, both ring layouts, with and without a lower bound and the fused cursor advance, and with the
+pool's conv (W = 4) where the library fuses it, one per distinct set of compiled switches (launch config, value
+chunk, register cap, tensor-core chunks, tiny batch, gate, vector tiles, pre-decayed mode, fused advance, q/k
+before the verdict, the fused conv's mode and count): 227 programs (163 without the conv), 3-25 s each on the
+2-core CPU machine (about 25 min in all). A result file of an older script lacks some of them (the conv's programs,
+the pre-decayed bf16 program without ``early_qk`` at 2048 pairs), which a compare against it reports as missing.
 
     git worktree add /tmp/base HEAD      # the committed kernel, beside the edited working tree
     TP_REPLAYSSM_VENV=$PWD/.venv /tmp/base/dev.sh python benchmarks/sass_hashes.py --out /tmp/base.json
@@ -50,15 +53,33 @@ def launch_kinds() -> dict[str, dict]:
         fused = cursors == "fused"
         plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
                           lower_bound=-5.0 if lb else None, advance=fused, cursor_table=cursors != "row")
-        # the plan's switches that decide the compiled code (vector tiles and the pre-decayed mode follow from them)
+        # the plan's switches that decide the compiled code (vector tiles, the pre-decayed mode and the late count
+        # follow from them; the slot scan's block, named_block, is a loop bound: the first batch of a kind stands for
+        # the others)
         kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
-                pd, cursors)
+                pd, cursors, plan.early_qk)
         if kind in kinds:
             continue
         readers = plan.advance_readers
         name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
                 f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' table' if cursors == 'table' else ''}")
         kinds[kind] = (name, dict(plan=plan, state=sname))
+    # the fused conv (a pre-conv call, W = 4, on the pool's cursor table, where the library fuses it: from
+    # FUSE_CONV_FROM pairs): its mode, its count's form and the conv before the verdict decide the code too
+    for pd, state, lb, cursors, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
+                                                               (False, True), ("fused", "table"), BATCHES, HEADS):
+        sname = "fp32" if state == torch.float32 else "bf16"
+        fused = cursors == "fused"
+        plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
+                          lower_bound=-5.0 if lb else None, advance=fused, cursor_table=True, conv_kernel_size=4)
+        kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
+                pd, cursors, plan.early_qk, plan.fused_conv, plan.relaxed_conv_count)
+        if not plan.fused_conv or kind in kinds:
+            continue
+        name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
+                f"{' lb' if lb else ''}{f' fused={plan.advance_readers}' if fused else ''}"
+                f"{' table' if cursors == 'table' else ''} conv={plan.fused_conv}")
+        kinds[kind] = (name, dict(plan=plan, state=sname, heads=hv))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
         raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")
@@ -108,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, kw) in enumerate(kinds.items()):
         start = time.time()
         kw = dict(kw)
-        res = kernel_resources(kw["plan"], kw["state"], with_sass=True)
+        res = kernel_resources(kw["plan"], kw["state"], kw.get("heads", 8), with_sass=True)
         digest, count = sass_digest(res.pop("sass"))
         results[name] = dict(hash=digest, instructions=count, regs=res["regs"], stack=res["stack"])
         print(f"[{i + 1}/{len(kinds)}] {name}: {digest} ({count} instructions, {res['regs']} regs, "

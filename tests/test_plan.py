@@ -168,6 +168,31 @@ def test_tensor_core_chunks_regime() -> None:
     assert not wide.tensor_core_chunks and wide.maxnreg is None
 
 
+# the DecodePlan fields that make the Helion config or the launch (launch_config, the register cap), not a constexpr;
+# the kernel's constexprs that take another field's name (field -> constexpr)
+CONFIG_FIELDS = {"value_tile", "num_warps", "maxnreg", "chunk_stages", "evict_state_first"}
+RENAMED = {"cursor_table": "cursors_by_slot", "tensor_core_chunks": "chunks_on_tensor_cores",
+           "advance_readers": "advance_cursors"}
+
+
+def test_every_plan_field_reaches_the_kernel() -> None:
+    """A field of ``DecodePlan`` is either part of the launch's config or one of the kernel's constexprs
+    (``DecodePlan.constexprs()``), and every constexpr is a parameter of ``replayssm_decode_kernel``: the launch's
+    argument builder passes only the kernel's parameters, so a field left out of ``constexprs()`` or a constexpr the
+    kernel does not take would be dropped without an error (DEVELOPERS.md, "Plan choices that wait for the H200")."""
+    import inspect
+
+    params = set(inspect.signature(decode.replayssm_decode_kernel).parameters)
+    fields = {f.name for f in dataclasses.fields(DecodePlan)}
+    for p in (_plan(8, 32, state=BF16, layout="predecayed", cursor_table=True),
+              plan_decode(dataclasses.replace(_problem(8, 32, state=BF16, layout="predecayed", cursor_table=True),
+                                              advance=True, conv_kernel_size=4), fuse_conv=True)):
+        constexprs = p.constexprs()
+        assert set(constexprs) <= params, sorted(set(constexprs) - params)
+        routed = {RENAMED.get(name, name) for name in fields - CONFIG_FIELDS}
+        assert routed == set(constexprs), (sorted(routed - set(constexprs)), sorted(set(constexprs) - routed))
+
+
 def test_launch_config_is_one_object_per_choice_however_spelled() -> None:
     """Compiled kernels are cached by config identity, so a config named positionally, by keyword or with its
     defaults spelled out (``DecodePlan.config``, the benchmarks' edited plans) must be the same object."""
@@ -336,6 +361,7 @@ def test_str_names_every_field() -> None:
 
 
 BASE = _problem(8, 16, layout="predecayed", cursor_table=True, advance=True)
+BASE_BF16 = dataclasses.replace(BASE, state_dtype=BF16)
 # case (named by the field the error must name) -> (the problem whose plan is taken, edits of it, the problem it meets)
 MISMATCHES = {
     "cursor_table": (BASE, dict(cursor_table=False), BASE),
@@ -347,13 +373,22 @@ MISMATCHES = {
     "predecayed_ring-of-another-layout": (BASE, {}, dataclasses.replace(BASE, ring_layout="sglang")),
     "advance_readers": (BASE, dict(advance_readers=0), BASE),
     "advance_readers-count": (BASE, dict(advance_readers=7), BASE),
-    "vector_tiles-with-tensor-cores": (BASE, dict(vector_tiles=1, tensor_core_chunks=True), BASE),
+    "vector_tiles-with-tensor-cores": (BASE_BF16, dict(vector_tiles=1, tensor_core_chunks=True), BASE_BF16),
     "vector_tiles-key-width": (_problem(8, 16, key_dim=24), dict(vector_tiles=1), _problem(8, 16, key_dim=24)),
     "late_count-without-advance": (dataclasses.replace(BASE, advance=False), dict(late_count=True),
                                    dataclasses.replace(BASE, advance=False)),
     "late_count-four-warps": (dataclasses.replace(BASE, state_dtype=BF16), dict(num_warps=4),
                               dataclasses.replace(BASE, state_dtype=BF16)),
     "early_qk-evict-first": (BASE, dict(early_qk=True, evict_state_first=True), BASE),
+    # values outside the field's set or range
+    "value_tile-not-a-power-of-two": (BASE, dict(value_tile=24), BASE),
+    "value_chunk-zero": (BASE, dict(value_chunk=0), BASE),
+    "value_chunk-wider-than-the-tile": (BASE, dict(value_chunk=64), BASE),
+    "num_warps": (BASE, dict(num_warps=3), BASE),
+    "vector_tiles-value": (BASE, dict(vector_tiles=5), BASE),
+    "predecayed_ring-value": (BASE, dict(predecayed_ring=7), BASE),
+    "tensor_core_chunks-fp32-checkpoint": (BASE, dict(tensor_core_chunks=True, vector_tiles=0), BASE),
+    "maxnreg": (BASE, dict(maxnreg=17), BASE),
 }
 
 

@@ -6,6 +6,7 @@ sass_hashes.py's program list. Synthetic inputs with known answers; no GPU, no i
 from __future__ import annotations
 
 import argparse
+import re
 import dataclasses
 import sys
 from pathlib import Path
@@ -98,7 +99,7 @@ def test_override_arg_rejects_unknown_fields_naming_them(text: str, named: str) 
 
 
 def test_override_arg_rejects_bad_values_naming_field_and_value(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(argparse.ArgumentTypeError, match=r"value_tile: expected an int, true/false or none; got 'big'"):
+    with pytest.raises(argparse.ArgumentTypeError, match=r"value_tile: expected an int; got 'big'"):
         plan_args.override_arg("value_tile=big")
     with pytest.raises(argparse.ArgumentTypeError, match=r"maxnreg: .* got '1.5'"):
         plan_args.override_arg("num_warps=1,maxnreg=1.5")
@@ -106,7 +107,13 @@ def test_override_arg_rejects_bad_values_naming_field_and_value(capsys: pytest.C
     ap.add_argument("--override", type=plan_args.override_arg)
     with pytest.raises(SystemExit):
         ap.parse_args(["--override", "value_chunk=many"])
-    assert "value_chunk: expected an int, true/false or none; got 'many'" in capsys.readouterr().err
+    assert "value_chunk: expected an int; got 'many'" in capsys.readouterr().err
+    for text, message in (("early_qk=5", "early_qk: expected true or false; got '5'"),
+                          ("maxnreg=lots", "maxnreg: expected an int or none"),
+                          ("early_qk=false value_tile=64", "one field=value per item, items separated by commas"),
+                          ("earlyqk=true", "(did you mean 'early_qk'?)")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            plan_args.override_arg(text)
 
 
 def test_build_plan_is_the_librarys_plan_with_the_override() -> None:
@@ -350,6 +357,19 @@ def test_sass_hashes_names_one_shape_per_compiled_program() -> None:
     target = plan_args.build_plan(batch=128, heads=4, state="bf16", layout="predecayed")
     assert (target.value_tile, target.value_chunk, target.num_warps, target.vector_tiles) == (64, 16, 1, 1)
     assert any(kw["plan"] == target and kw["state"] == "bf16" for kw in kinds.values())
+    # the q/k before the verdict both ways on one config (bf16 pre-decayed on the pool's table: on up to 1024 pairs,
+    # off at 2048), and the fused conv's modes with both counts' plans (mode 2: the relaxed count)
+    early: dict[tuple, set] = {}
+    for kw in kinds.values():
+        p = kw["plan"]
+        if not p.fused_conv:
+            rest = (str(p.config), p.value_chunk, p.maxnreg, p.tensor_core_chunks, kw["state"], p.tiny_batch,
+                    p.use_lower_bound, p.predecayed_ring, p.cursor_table, p.advance_readers > 0)
+            early.setdefault(rest, set()).add(p.early_qk)
+    assert {False, True} in early.values()
+    convs = [p for p in plans if p.fused_conv]
+    assert {p.fused_conv for p in convs} == {1, 2} and all(p.relaxed_conv_count == (p.fused_conv == 2 and p.early_qk)
+                                                           for p in convs)
 
 
 def test_sass_hashes_ignore_addresses_and_encodings_not_instructions() -> None:

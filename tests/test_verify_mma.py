@@ -290,6 +290,25 @@ def test_tensor_core_value_tiles_by_waves() -> None:
     assert verify_plan.plan_verify(small_gpu).value_tile == 128
 
 
+def test_every_plan_field_reaches_the_kernel() -> None:
+    """A field of ``VerifyPlan`` is part of the launch's config (tile, warps, register cap), the form's choice
+    (``tensor_cores``) or a constexpr of the tensor-core kernel; every constexpr of either form is a parameter of its
+    kernel (the argument builder passes only the kernel's parameters: anything else would be dropped silently)."""
+    import inspect
+
+    from tp_replayssm.kernels import verify, verify_mma
+
+    problem = verify_plan.VerifyProblem(**{**H200_HV32, "batch": 8, "num_q_heads": 2, "num_v_heads": 2})
+    mma, cores = verify_plan.plan_verify(problem), verify_plan.plan_verify(problem, tensor_cores=False)
+    assert mma.tensor_cores and not cores.tensor_cores
+    fields = {f.name for f in dataclasses.fields(verify_plan.VerifyPlan)}
+    derived = {"fold_chunk", "columns"}  # a module constant, and a property of the plan's draft block
+    assert fields - {"value_tile", "num_warps", "maxnreg", "tensor_cores"} == set(mma.constexprs()) - derived
+    for plan, kernel in ((mma, verify_mma.replayssm_verify_mma_kernel), (cores, verify.replayssm_verify_kernel)):
+        params = set(inspect.signature(kernel).parameters)
+        assert set(plan.constexprs()) <= params, sorted(set(plan.constexprs()) - params)
+
+
 def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     """``VerifyPlan.batched_reductions``, ``chunk_prefetch``, ``fold_in_chunks`` and ``maxnreg``: the library's values
     in its plans (the first two on in the tensor-core form; off, on, off and None in the CUDA-core form), constexprs of

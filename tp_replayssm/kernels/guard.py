@@ -19,7 +19,8 @@ __all__ = ["ERROR_WORDS", "FREE_CURSOR", "RECORDED_ROWS", "SLOT_METHODS", "SlotG
 
 FREE_CURSOR = 0xFFFF
 # the record: [0] the first bad call's code since the last check (0: none), [1] its bad rows, [2] bad rows of every
-# call, [3] unused, then (row, slot) pairs of the first RECORDED_ROWS bad rows of that call
+# call, [3] a scratch word (record_bad_rows' target for the rows it does not keep, zeroed after; the decode's store
+# that never runs with pinned_loads), then (row, slot) pairs of the first RECORDED_ROWS bad rows of that call
 RECORDED_ROWS = 8
 ERROR_WORDS = 4 + 2 * RECORDED_ROWS
 # the methods that take slots, by the number the kernels record

@@ -140,6 +140,7 @@ class DecodePlan:
         """``ValueError`` unless this plan can run ``problem`` (a plan built for another call, or edited into a
         combination the kernel does not have). ``device_code=False``: the call runs no kernel (the PyTorch path), so
         whether the plan was made for a GPU or the interpreter does not matter."""
+        self._check_values(problem)
         want = plan_decode(problem)
         names = ["cursor_table", "ring_length", "ring_block", "use_l2norm", "use_lower_bound", "named_block"]
         for name in names + (["on_gpu"] if device_code else []):
@@ -174,13 +175,34 @@ class DecodePlan:
                              f"K={problem.key_dim}")
         self._check_fused_conv(problem)
 
+    def _check_values(self, problem: DecodeProblem) -> None:
+        """The fields that take a value from a fixed set or range (an edit such as ``value_tile=24`` would
+        otherwise fail inside Helion's compile, or ``predecayed_ring=7`` compile a kernel of no form)."""
+        tile, chunk = self.value_tile, self.value_chunk
+        if tile < 1 or tile & (tile - 1):
+            raise ValueError(f"DecodePlan: `value_tile` must be a power of two; got {tile}")
+        if chunk < 1 or chunk & (chunk - 1) or chunk > tile:
+            raise ValueError(f"DecodePlan: `value_chunk` must be a power of two of at most value_tile={tile}; got "
+                             f"{chunk}")
+        choices = dict(num_warps=(1, 2, 4, 8), vector_tiles=(0, 1, 2), predecayed_ring=(0, 1, 2, 3))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"DecodePlan: `{name}` must be one of {allowed}; got {getattr(self, name)!r}")
+        if self.tensor_core_chunks and not problem.state_dtype == problem.cache_dtype == torch.bfloat16:
+            raise ValueError(f"DecodePlan: `tensor_core_chunks` needs a bf16 checkpoint and bf16 rings; got "
+                             f"{problem.state_dtype} and {problem.cache_dtype}")
+        if self.maxnreg is not None and not 24 <= self.maxnreg <= 255:
+            raise ValueError(f"DecodePlan: `maxnreg` must be None or a register cap in ptxas's [24, 255]; got "
+                             f"{self.maxnreg}")
+
     def _check_fused_conv(self, problem: DecodeProblem) -> None:
         """The fused conv's fields against ``problem`` (:func:`fused_conv_mode`)."""
         if self.fused_conv not in (0, 1, 2):
             raise ValueError(f"DecodePlan: `fused_conv` must be 0, 1 or 2; got {self.fused_conv}")
         if not self.fused_conv:
             if self.conv_readers:
-                raise ValueError(f"DecodePlan: `conv_readers` must be 0 without a fused conv; got {self.conv_readers}")
+                raise ValueError(f"DecodePlan: `conv_readers` must be 0 without a fused conv; got {self.conv_readers} "
+                                 f"(DecodePlan.without_conv() is the two-launch plan)")
         else:
             self._check_conv_mode(problem)
         if self.relaxed_conv_count and not (self.fused_conv == 2 and self.early_qk):
@@ -255,7 +277,8 @@ def early_qk_rule(problem: DecodeProblem, tiny_batch: bool, fused_conv: int, num
 
 def cursor_readers(problem: DecodeProblem, value_tile: int) -> int:
     """The programs that read one row's cursor (``HV * ceil(V / value_tile)``): the fused advance counts them in
-    the cursor word's upper 15 bits, so at most 32767 of them and rings of at most 65535 entries."""
+    the cursor word's upper 15 bits, so at most 32767 of them and a cursor in the lower 16 bits (the pool's own
+    limit, L <= 65534, is lower still: a free slot's cursor is 65535)."""
     readers = problem.num_v_heads * -(-problem.value_dim // value_tile)
     if readers >= 1 << 15 or problem.ring_length >= 1 << 16:
         raise ValueError(f"replayssm_decode: the fused advance counts at most {(1 << 15) - 1} programs per row and "
