@@ -46,7 +46,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from cli import HelpFormatter, RankParser
+from cli import HelpFormatter, RankParser, exit_rank
 
 if TYPE_CHECKING:
     import torch
@@ -390,4 +390,4 @@ class Engine:
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package
         sys.path.insert(1, os.path.dirname(sys.path[0]))
-    sys.exit(main())
+    exit_rank(main())

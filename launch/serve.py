@@ -33,7 +33,8 @@ memory and weights per rank) and checks every request's greedy tokens and logits
 Triton's interpreter, about 10 s for the default sizes against 0.1 s for the plain model, so not by default) or a
 plain float64 PyTorch model of the same weights with a full recurrence and no pool (``--reference plain``, always
 available). It ends with "RESULT: OK"; on any failure every rank prints one line "RESULT: FAIL <ErrorType>:
-<reason>" and exits with status 1.
+<reason>" and exits with status 1 (under ``torchrun`` the first rank to exit non-zero makes torchrun stop the
+others, whose status may then read -15).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from cli import HelpFormatter, RankParser
+from cli import HelpFormatter, RankParser, exit_rank
 
 if TYPE_CHECKING:
     import torch
@@ -381,4 +382,4 @@ class Engine:
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) == sys.path[0]:  # run as a script: find the package
         sys.path.insert(1, os.path.dirname(sys.path[0]))
-    sys.exit(main())
+    exit_rank(main())

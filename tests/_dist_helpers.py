@@ -301,9 +301,15 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
             elif fault == "activation-device":
                 mixed = x.mixed_qkv.to(META) if is_bad else x.mixed_qkv
                 pool.decode(0, mixed, x.a, x.b, params.A_log, params.dt_bias, slots)
+            elif fault == "cache-device-first-decode":  # a replaced cache met by a layer's first decode
+                if is_bad:
+                    pool.d_cache = pool.d_cache.to(META)
+                pool.decode(1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots)
             else:
                 if is_bad and fault == "cache-device":
                     pool.d_cache = pool.d_cache.to(META)
+                if is_bad and fault == "cache-replaced":  # same device: the kernels' views keep the old tensor
+                    pool.d_cache = pool.d_cache.clone()
                 if is_bad and fault == "local-check-throws":
                     def boom() -> torch.device:
                         raise RuntimeError("cudaGetDevice failed (injected)")
@@ -421,6 +427,38 @@ def dist_env(rank: int, world: int) -> dict[str, Any]:
         info["inner_same"] = inner is env
     info["initialized_after"] = dist.is_initialized()
     return info
+
+
+def slot_error_on_one_rank(rank: int, world: int, bad: int) -> tuple[str, str | None, str | None]:
+    """Every rank decodes layer 0, rank ``bad`` with an out-of-range slot; then every rank calls
+    ``verify_placement()``: (``check()``'s own text on this rank, verify_placement's SlotError text or None, the text
+    of the next collective call's error or None: the ranks must all stop at verify_placement)."""
+    import torch.distributed as dist
+
+    from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
+    from tp_replayssm.testing import random_decode_inputs, random_head_params
+
+    pool = ReplaySSMStatePool(KDAHeads(2, 4, 16, 16), num_layers=1, num_slots=4, ring_length=4,
+                              group=dist.group.WORLD, device="cpu")
+    slots = pool.alloc(2)
+    loc = pool.local_heads
+    gen = torch.Generator().manual_seed(3)
+    params = random_head_params(loc.num_v_heads, 16, generator=gen)
+    x = random_decode_inputs(2, loc.num_q_heads, loc.num_v_heads, 16, 16, dtype=torch.float32, generator=gen)
+    ids = torch.tensor([int(slots[0]), 99 if rank == bad else int(slots[1])], dtype=torch.int32)
+    pool.decode(0, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, ids)
+    own = "ok" if pool.slot_errors[0].item() == 0 else "recorded"
+    try:
+        pool.verify_placement()
+        msg = None
+    except SlotError as exc:
+        msg = str(exc)
+    try:  # every rank must have stopped above: a collective after it still meets on every rank
+        pool.verify_placement()
+        later = None
+    except Exception as exc:  # noqa: BLE001
+        later = f"{type(exc).__name__}: {exc}"
+    return own, msg, later
 
 
 def world_pool_after_a_subgroup(rank: int, world: int) -> str:

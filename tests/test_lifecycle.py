@@ -454,6 +454,9 @@ REFUSALS = {  # case -> (shards, the slots imported into, text the error must ho
     "other-requests": (lambda: [_shard_from(tp=2, rank=0), other_slots(_shard_from(tp=2, rank=1))], [0],
                        r"shards\[1\] holds source slots \[3\] but shards\[0\] holds \[0\]: the shards of one import "
                        r"hold the same requests"),
+    "two-source-pools": (lambda: [_shard_from(tp=2, rank=0), _shard_from(layout="sglang", tp=2, rank=1)], [0],
+                         r"shards\[1\] comes from another pool than shards\[0\]: ring_layout sglang \(shards\[0\]: "
+                         r"predecayed\); the shards of one import are one export's"),
     "not-a-shard": (lambda: ["state"], [0], r"`shards\[0\]` must be a StateShard; got str"),
     "a-dict": (lambda: {"rank0": _shard_from()}, [0], r"`shards` must be a StateShard or an iterable of StateShard "
                                                       r"\(a dict's: pass its values\(\)\); got dict"),

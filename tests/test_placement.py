@@ -219,7 +219,11 @@ POOL_EXPECT = {
     "cache-dtype": ["cache_dtype='torch.float32' (rank 0: 'torch.bfloat16')"],
     "ring-layout": ["ring_layout='sglang' (rank 0: 'predecayed')"],
     "tp-rank": ["shard index tp_rank=0 != rank in group 1"],
-    "cache-device": ["`d_cache` on meta, expected cpu", "verify_placement"],
+    "cache-device": ["`d_cache` on meta, expected cpu", "verify_placement",
+                     "pool.d_cache replaced after construction"],
+    "cache-replaced": ["pool.d_cache replaced after construction", "build a new pool", "verify_placement"],
+    "cache-device-first-decode": ["`pool.d_cache` on meta, expected cpu", "pool.d_cache replaced after construction",
+                                  "decode(layer=1)"],
     "activation-device": ["`mixed_qkv` on meta, expected cpu", "decode(layer=0)"],
     "local-check-throws": ["local placement check raised RuntimeError: cudaGetDevice failed (injected)"],
 }
@@ -240,6 +244,20 @@ def test_pool_fault_matrix(tmp_path) -> None:  # noqa: ANN001
         assert msgs[0].splitlines()[0].endswith("offending rank(s): 1"), (fault, msgs[0])
         for sub in POOL_EXPECT[fault]:
             assert sub in msgs[0], (fault, sub, msgs[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_slot_error_on_one_rank_is_raised_on_every_rank(tmp_path, world: int) -> None:  # noqa: ANN001
+    """``verify_placement()`` exchanges the ranks' ``check()`` results: the SlotError of the one rank that named a
+    bad slot is raised on every rank with the same text (naming that rank and its record), and the ranks stay
+    together (a later collective call meets on all of them)."""
+    results = h.run_ranks(h.slot_error_on_one_rank, world, tmp_path, 1)
+    owns, msgs, laters = zip(*results)
+    assert owns == tuple("recorded" if r == 1 else "ok" for r in range(world)), owns
+    assert msgs[0] is not None and all(m == msgs[0] for m in msgs), msgs
+    assert f"slot errors on 1 of {world} ranks; rank 1: " in msgs[0] and "slot 99" in msgs[0], msgs[0]
+    assert laters == (None,) * world, laters  # the record was cleared by the check; all ranks met again
 
 
 @pytest.mark.timeout(120)

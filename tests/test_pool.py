@@ -367,6 +367,28 @@ def test_placement_checked_at_build_first_decode_per_layer_and_verify(monkeypatc
     assert {"mixed_qkv", "a", "b", "A_log", "dt_bias", "slots", "out", "checkpoint", "d_cache"} <= names
     pool.verify_placement()
     assert len(calls) == 4 and "verify_placement" in calls[3]["context"]
+    assert {"pool.checkpoint", "pool.d_cache", "pool.slot_errors"} <= names  # the pool's own beside the layer's views
+
+
+def test_a_pool_tensor_assigned_after_construction_is_refused() -> None:
+    """``pool.d_cache = ...`` after construction leaves the kernels' per-layer views on the old tensor (decode and
+    verify would use one cache, fork/export/commit the other): the placement check names it, at a layer's first
+    decode and at verify_placement(), before anything is written, even when the new tensor is on the pool's device."""
+    pool = make_pool(num_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    p = params_for(2, gen)
+    inp = small_inputs(gen)
+    slots = i32([-1, -1, -1, -1])
+    pool.decode(0, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
+    original = pool.d_cache
+    pool.d_cache = original.clone()
+    with pytest.raises(PlacementError, match=r"pool\.d_cache replaced after construction .* build a new pool"):
+        pool.verify_placement()
+    with pytest.raises(PlacementError, match=r"(?s)decode\(layer=1\).*pool\.d_cache replaced"):
+        pool.decode(1, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
+    pool.d_cache = original
+    pool.verify_placement()
+    pool.decode(1, inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias, slots)
 
 
 def test_placement_error_on_first_decode_with_inputs_elsewhere():

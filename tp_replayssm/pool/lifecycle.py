@@ -210,6 +210,10 @@ def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device |
 # ---- import -------------------------------------------------------------------------------------------------------
 
 
+# what the ranks of one source pool share (its fingerprint's fields a shard carries)
+SOURCE_POOL_FIELDS = ("tp_size", "ring_length", "ring_layout", "state_dtype", "cache_dtype", "conv_dtype")
+
+
 def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[StateShard]) -> None:
     """:meth:`ReplaySSMStatePool.import_state` (module docstring): validate everything, assemble this rank's heads
     from the shards on the pool's device, then write."""
@@ -232,6 +236,11 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
             raise ValueError(f"{where}: shards[{i}] holds source slots {list(s.source_slots)} but shards[0] holds "
                              f"{list(shards[0].source_slots)}: the shards of one import hold the same requests in the "
                              f"same order (the ranks of a group name a request by one slot)")
+        source = [(name, getattr(s, name), getattr(shards[0], name)) for name in SOURCE_POOL_FIELDS]
+        differ = [f"{name} {mine} (shards[0]: {first})" for name, mine, first in source if mine != first]
+        if differ:  # one export's shards: the same source pool on every rank
+            raise ValueError(f"{where}: shards[{i}] comes from another pool than shards[0]: {', '.join(differ)}; the "
+                             f"shards of one import are one export's (every rank of the source pool's group)")
     v_src = _cover(pool, shards, "v", where)
     q_src = _cover(pool, shards, "q", where) if pool.conv_state is not None else []
     for s in shards:

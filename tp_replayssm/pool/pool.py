@@ -383,9 +383,23 @@ class ReplaySSMStatePool:
 
     def verify_placement(self) -> None:
         """The collective placement check over every pool tensor (collective when the pool has a group: every rank
-        must call it), then :meth:`check` (after the exchange, so a rank's SlotError never leaves its peers waiting)."""
-        self._check_placement(self._pool_tensors(), "ReplaySSMStatePool.verify_placement()")
-        self.check()
+        must call it), then :meth:`check` on every rank, whose results are exchanged too: a ``SlotError`` on any rank
+        is raised on every rank, naming the ranks and their records, so no rank goes on to a collective its peers
+        have left."""
+        where = "ReplaySSMStatePool.verify_placement()"
+        self._check_placement(self._pool_tensors(), where)
+        if self.group is None:
+            self.check()
+            return
+        try:
+            self.check()
+            mine = None
+        except SlotError as exc:
+            mine = str(exc)
+        texts = placement.gather_texts(self.group, mine, where)
+        bad = [f"rank {rank}: {text}" for rank, text in enumerate(texts) if text is not None]
+        if bad:
+            raise SlotError(f"{where}: slot errors on {len(bad)} of {len(texts)} ranks; " + "; ".join(bad))
 
     def _pool_tensors(self) -> dict[str, torch.Tensor]:
         return {"checkpoint": self.checkpoint, "d_cache": self.d_cache, "k_cache": self.k_cache,
@@ -393,9 +407,29 @@ class ReplaySSMStatePool:
                 **({"conv_state": self.conv_state} if self.conv_state is not None else {})}
 
     def _check_placement(self, tensors: dict[str, torch.Tensor], context: str) -> None:
+        """The collective placement check of ``tensors``, the pool's own tensors among them (named ``pool.<name>``
+        where ``tensors`` holds views of them), and of the views its kernels use: a tensor assigned to the pool after
+        construction (``pool.d_cache = ...``) is reported, since the views would still hold the old one."""
+        own = {f"pool.{name}": t for name, t in self._pool_tensors().items()
+               if not any(t is other for other in tensors.values())}
         placement.collective_placement_check(
             group=self.group, expected_device=self.device, require_current_device=(self.group is not None),
-            fingerprint=self.fingerprint, tensors=tensors, context=context)
+            fingerprint=self.fingerprint, tensors={**tensors, **own}, context=context,
+            extra_problems=self._replaced_tensors())
+
+    def _replaced_tensors(self) -> list[str]:
+        """The pool tensors its per-layer views (the kernels' arguments) no longer view: assigned after
+        construction."""
+        replaced = []
+        for name in LayerViews._fields:
+            tensor = getattr(self, name)
+            base = getattr(self._views[0], name)._base
+            if base is not tensor and (base is None or base is not tensor._base):
+                replaced.append(name)
+        if not replaced:
+            return []
+        return [f"pool.{', pool.'.join(replaced)} replaced after construction (the decode and verify kernels use "
+                f"views of the tensors the pool made; build a new pool instead of assigning its tensors)"]
 
     # ---- validation -----------------------------------------------------------------------------
 

@@ -54,7 +54,7 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,7 +65,7 @@ from .verdicts import (PoolFingerprint, RankReport, _digest, _local_report, cros
                        format_placement_error, local_problems)
 
 __all__ = ["PlacementError", "PoolFingerprint", "RankReport", "check_timeout_s", "collective_placement_check",
-           "cross_rank_problems", "format_placement_error", "local_problems", "placement_check_stats",
+           "cross_rank_problems", "format_placement_error", "gather_texts", "local_problems", "placement_check_stats",
            "reset_check_groups"]
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,7 @@ def collective_placement_check(
     fingerprint: PoolFingerprint,
     tensors: Mapping[str, torch.Tensor | None],
     context: str,
+    extra_problems: Sequence[str] = (),
 ) -> None:
     """Check placement on every rank of ``group``; raise the same :class:`PlacementError` on all.
 
@@ -176,6 +177,7 @@ def collective_placement_check(
     description; all ranks must agree on everything but ``tp_rank``, which must equal the rank in
     ``group``, and ``tp_size`` must equal the group size. ``group=None``: local rules only.
     Collective when ``group`` is given: every rank of the group must call it at the same point.
+    ``extra_problems``: this rank's own findings beyond the tensors' devices, reported like the others.
     """
     t0 = time.perf_counter()
     try:
@@ -184,13 +186,14 @@ def collective_placement_check(
             report = _local_report(
                 expected_device=expected_device, require_current_device=require_current_device,
                 fingerprint=fingerprint, tensors=tensors, context=context, group_rank=0, global_rank=0,
-                group_size=None, group_backend=None,
+                group_size=None, group_backend=None, extra_problems=extra_problems,
             )
             msg = format_placement_error([report], None) if report.problems else None
         else:
             _STATS["collective"] += 1
             with _no_fake_mode():
-                msg = _collective(group, expected_device, require_current_device, fingerprint, tensors, context)
+                msg = _collective(group, expected_device, require_current_device, fingerprint, tensors, context,
+                                  extra_problems)
     finally:
         dt = time.perf_counter() - t0
         _STATS["total_s"] += dt
@@ -201,6 +204,29 @@ def collective_placement_check(
     log.debug("placement check ok (%s) in %.1f us", context, dt * 1e6)
 
 
+def gather_texts(group: Any, text: str | None, context: str) -> list[str | None]:
+    """Every rank's optional ``text`` (e.g. its ``SlotError``), in group rank order, over the check group: a flag per
+    rank first, the texts only when some rank has one. Collective over ``group``; a peer that does not take part
+    within the check timeout raises :class:`PlacementError` naming ``context``."""
+    with _no_fake_mode():
+        pg = _check_group(group)
+        world = dist.get_world_size(pg)
+        try:
+            flags = torch.zeros(world, dtype=torch.int64)
+            dist.all_gather(list(flags.unbind(0)), torch.tensor(0 if text is None else 1, dtype=torch.int64),
+                            group=pg)
+            if not flags.any():
+                return [None] * world
+            texts: list[Any] = [None] * world
+            dist.all_gather_object(texts, text, group=pg)
+        except Exception as exc:  # noqa: BLE001 - a peer died or never called the exchange
+            raise PlacementError(
+                f"{context}: rank {dist.get_rank(group)} could not exchange its check's result with its group within "
+                f"{check_timeout_s():.0f} s ({type(exc).__name__}: {exc}); another rank probably failed or is not "
+                f"running the same call. Local result: {text or 'ok'}") from exc
+    return texts
+
+
 def _collective(
     group: Any,
     expected_device: Any,
@@ -208,6 +234,7 @@ def _collective(
     fingerprint: Any,
     tensors: Any,
     context: str,
+    extra_problems: Sequence[str] = (),
 ) -> str | None:
     rank = dist.get_rank(group)
     size = dist.get_world_size(group)
@@ -219,7 +246,7 @@ def _collective(
     report = _local_report(
         expected_device=expected_device, require_current_device=require_current_device,
         fingerprint=fingerprint, tensors=tensors, context=context, group_rank=rank,
-        global_rank=global_rank, group_size=size, group_backend=backend,
+        global_rank=global_rank, group_size=size, group_backend=backend, extra_problems=extra_problems,
     )
     try:
         gathered = _exchange(_check_group(group), report)

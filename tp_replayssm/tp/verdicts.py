@@ -156,8 +156,10 @@ def _local_report(
     global_rank: int,
     group_size: int | None,
     group_backend: str | None,
+    extra_problems: Sequence[str] = (),
 ) -> RankReport:
-    """Never raises: an exception in the local check becomes this rank's problem."""
+    """Never raises: an exception in the local check becomes this rank's problem. ``extra_problems``: the caller's
+    own findings (e.g. the pool's replaced tensors), reported as this rank's problems."""
     host = "?"
     device = "?"
     device_key = ""
@@ -182,6 +184,7 @@ def _local_report(
         )
     except Exception as exc:  # noqa: BLE001 - the point: report, don't raise before the exchange
         problems = [f"local placement check raised {type(exc).__name__}: {exc}"]
+    problems = [*problems, *extra_problems]
     return RankReport(group_rank, global_rank, host, device, device_key, fp, tuple(problems), context, digest)
 
 
