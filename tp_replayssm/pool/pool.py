@@ -422,9 +422,8 @@ class ReplaySSMStatePool:
         construction."""
         replaced = []
         for name in LayerViews._fields:
-            tensor = getattr(self, name)
-            base = getattr(self._views[0], name)._base
-            if base is not tensor and (base is None or base is not tensor._base):
+            tensor, view = getattr(self, name), getattr(self._views[0], name)
+            if view.untyped_storage()._cdata != tensor.untyped_storage()._cdata:  # (a deep copy keeps them shared)
                 replaced.append(name)
         if not replaced:
             return []
