@@ -46,7 +46,7 @@ from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, desc
 from ..tp import placement
 from ..tp.devices import resolve_device
 from ..tp.heads import HeadShard, KDAHeads, shard_heads
-from . import conv, lifecycle, spec, state, step
+from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
 from .slots import SlotTable, check_ids, debug_check, host_ids, is_int
@@ -385,21 +385,8 @@ class ReplaySSMStatePool:
         """The collective placement check over every pool tensor (collective when the pool has a group: every rank
         must call it), then :meth:`check` on every rank, whose results are exchanged too: a ``SlotError`` on any rank
         is raised on every rank, naming the ranks and their records, so no rank goes on to a collective its peers
-        have left."""
-        where = "ReplaySSMStatePool.verify_placement()"
-        self._check_placement(self._pool_tensors(), where)
-        if self.group is None:
-            self.check()
-            return
-        try:
-            self.check()
-            mine = None
-        except SlotError as exc:
-            mine = str(exc)
-        texts = placement.gather_texts(self.group, mine, where)
-        bad = [f"rank {rank}: {text}" for rank, text in enumerate(texts) if text is not None]
-        if bad:
-            raise SlotError(f"{where}: slot errors on {len(bad)} of {len(texts)} ranks; " + "; ".join(bad))
+        have left (:func:`tp_replayssm.pool.checks.verify_placement`)."""
+        checks.verify_placement(self)
 
     def _pool_tensors(self) -> dict[str, torch.Tensor]:
         return {"checkpoint": self.checkpoint, "d_cache": self.d_cache, "k_cache": self.k_cache,
@@ -407,28 +394,8 @@ class ReplaySSMStatePool:
                 **({"conv_state": self.conv_state} if self.conv_state is not None else {})}
 
     def _check_placement(self, tensors: dict[str, torch.Tensor], context: str) -> None:
-        """The collective placement check of ``tensors``, the pool's own tensors among them (named ``pool.<name>``
-        where ``tensors`` holds views of them), and of the views its kernels use: a tensor assigned to the pool after
-        construction (``pool.d_cache = ...``) is reported, since the views would still hold the old one."""
-        own = {f"pool.{name}": t for name, t in self._pool_tensors().items()
-               if not any(t is other for other in tensors.values())}
-        placement.collective_placement_check(
-            group=self.group, expected_device=self.device, require_current_device=(self.group is not None),
-            fingerprint=self.fingerprint, tensors={**tensors, **own}, context=context,
-            extra_problems=self._replaced_tensors())
-
-    def _replaced_tensors(self) -> list[str]:
-        """The pool tensors its per-layer views (the kernels' arguments) no longer view: assigned after
-        construction."""
-        replaced = []
-        for name in LayerViews._fields:
-            tensor, view = getattr(self, name), getattr(self._views[0], name)
-            if view.untyped_storage()._cdata != tensor.untyped_storage()._cdata:  # (a deep copy keeps them shared)
-                replaced.append(name)
-        if not replaced:
-            return []
-        return [f"pool.{', pool.'.join(replaced)} replaced after construction (the decode and verify kernels use "
-                f"views of the tensors the pool made; build a new pool instead of assigning its tensors)"]
+        """:func:`tp_replayssm.pool.checks.check_placement`."""
+        checks.check_placement(self, tensors, context)
 
     # ---- validation -----------------------------------------------------------------------------
 
