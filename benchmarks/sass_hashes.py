@@ -45,41 +45,31 @@ def launch_kinds() -> dict[str, dict]:
 
     kinds: dict[tuple, tuple[str, dict]] = {}
     # cursors: "row" (the op's per-row cursors), "fused" (the pool's table with the fused advance), "table" (the
-    # pool's table, the other layers of a step)
-    for pd, state, lb, cursors, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
-                                                               (False, True), ("row", "fused", "table"), BATCHES,
-                                                               HEADS):
+    # pool's table, the other layers of a step); conv 4: a pre-conv call (W = 4) on the pool's table, kept where the
+    # library fuses the conv (from FUSE_CONV_FROM pairs)
+    for conv, pd, state, lb, cursors, batch, hv in itertools.product((0, 4), (False, True),
+                                                                     (torch.float32, torch.bfloat16), (False, True),
+                                                                     ("row", "fused", "table"), BATCHES, HEADS):
+        if conv and cursors == "row":
+            continue
         sname = "fp32" if state == torch.float32 else "bf16"
         fused = cursors == "fused"
         plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
-                          lower_bound=-5.0 if lb else None, advance=fused, cursor_table=cursors != "row")
+                          lower_bound=-5.0 if lb else None, advance=fused, cursor_table=cursors != "row",
+                          conv_kernel_size=conv)
         # the plan's switches that decide the compiled code (vector tiles, the pre-decayed mode and the late count
         # follow from them; the slot scan's block, named_block, is a loop bound: the first batch of a kind stands for
-        # the others)
-        kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
-                pd, cursors, plan.early_qk)
-        if kind in kinds:
-            continue
-        readers = plan.advance_readers
-        name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
-                f"{' lb' if lb else ''}{f' fused={readers}' if fused else ''}{' table' if cursors == 'table' else ''}")
-        kinds[kind] = (name, dict(plan=plan, state=sname))
-    # the fused conv (a pre-conv call, W = 4, on the pool's cursor table, where the library fuses it: from
-    # FUSE_CONV_FROM pairs): its mode, its count's form and the conv before the verdict decide the code too
-    for pd, state, lb, cursors, batch, hv in itertools.product((False, True), (torch.float32, torch.bfloat16),
-                                                               (False, True), ("fused", "table"), BATCHES, HEADS):
-        sname = "fp32" if state == torch.float32 else "bf16"
-        fused = cursors == "fused"
-        plan = build_plan(batch=batch, heads=hv, state=sname, layout="predecayed" if pd else "sglang",
-                          lower_bound=-5.0 if lb else None, advance=fused, cursor_table=True, conv_kernel_size=4)
+        # the others); with the conv its mode and its count's form too
         kind = (str(plan.config), plan.value_chunk, plan.maxnreg, plan.tensor_core_chunks, sname, plan.tiny_batch, lb,
                 pd, cursors, plan.early_qk, plan.fused_conv, plan.relaxed_conv_count)
-        if not plan.fused_conv or kind in kinds:
+        if (conv and not plan.fused_conv) or kind in kinds:
             continue
         name = (f"B{batch} HV{hv} {sname} {'predecayed' if pd else 'spec'} mode={plan.predecayed_ring}"
                 f"{' lb' if lb else ''}{f' fused={plan.advance_readers}' if fused else ''}"
-                f"{' table' if cursors == 'table' else ''} conv={plan.fused_conv}")
-        kinds[kind] = (name, dict(plan=plan, state=sname, heads=hv))
+                f"{' table' if cursors == 'table' else ''}{f' conv={plan.fused_conv}' if conv else ''}")
+        # (the conv's programs compiled at their own head count; the others at kernel_resources' default, as their
+        # recorded hashes were)
+        kinds[kind] = (name, dict(plan=plan, state=sname, **({"heads": hv} if conv else {})))
     named = dict(kinds.values())
     if len(named) != len(kinds):  # two kinds under one name: one of them would go unchecked
         raise RuntimeError(f"sass_hashes: {len(kinds)} kinds of program under {len(named)} names")

@@ -55,11 +55,9 @@ def check_placement(pool: ReplaySSMStatePool, tensors: dict[str, torch.Tensor], 
 def replaced_tensors(pool: ReplaySSMStatePool) -> list[str]:
     """The problem text for the pool tensors its per-layer views (the kernels' arguments) no longer view, i.e.
     assigned after construction; empty when there are none."""
-    replaced = []
-    for name in ("checkpoint", "d_cache", "k_cache", "g_cache"):  # the LayerViews fields
-        tensor, view = getattr(pool, name), getattr(pool.layer(0), name)
-        if view.untyped_storage()._cdata != tensor.untyped_storage()._cdata:  # (a deep copy keeps them shared)
-            replaced.append(name)
+    views = pool.layer(0)
+    replaced = [name for name in views._fields  # (a deep copy keeps a view and its tensor on one storage)
+                if getattr(views, name).untyped_storage()._cdata != getattr(pool, name).untyped_storage()._cdata]
     if not replaced:
         return []
     return [f"pool.{', pool.'.join(replaced)} replaced after construction (the decode and verify kernels use views "
