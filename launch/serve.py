@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--inject-bad-slot", action="store_true",
                    help="self-test of the per-step pool.check(): the first decode step names a slot out of range in "
                         "one row on every rank; the pool refuses the row and that step's check fails (exit status 1)")
+    c.add_argument("--debug", action="store_true",
+                   help="the pool's debug mode: every call's slot ids checked on the host (a sync), and the ranks "
+                        "compare every pool call's arguments (a gloo all-gather), all raising the same "
+                        "RankMismatchError when one rank's differ (also TP_REPLAYSSM_DEBUG=1)")
+    c.add_argument("--inject-rank-mismatch", action="store_true",
+                   help="self-test of --debug: in decode step 1 the last rank passes its rows' slots shifted by one "
+                        "row (as a scheduler bug on one rank would); with --debug every rank stops there with "
+                        "RankMismatchError, without it the tokens' check fails at the end (exit status 1)")
     c.add_argument("--seed", type=int, default=0,
                    help="seed of the weights, the request stream and the fork and preemption draws")
     c.add_argument("--timeout", type=float, default=300.0, help="process group timeout, seconds")
@@ -190,7 +198,8 @@ class Engine:
         group = dist.group.WORLD
         self.pool = ReplaySSMStatePool(self.cfg.kda().heads, num_layers=args.layers, num_slots=args.batch,
                                        ring_length=args.ring_length, cache_dtype=cache,
-                                       conv_kernel_size=self.cfg.conv, group=group, device=self.device)
+                                       conv_kernel_size=self.cfg.conv, group=group, device=self.device,
+                                       debug=True if args.debug else None)
         self.model = TPModel(self.cfg, self.weights, self.pool, group=group, rank=self.rank, world=self.world,
                              device=self.device, dtype=self.dtype)
         self.spec = None
@@ -282,6 +291,9 @@ class Engine:
             ids[row] = self.pool.num_slots + 3
             log.warning("--inject-bad-slot: row %d of decode step 1 names slot %d of a %d-slot pool", row, ids[row],
                         self.pool.num_slots)
+        if self.args.inject_rank_mismatch and self.stats["decode_steps"] == 0 and self.rank == self.world - 1:
+            ids = ids[1:] + ids[:1]  # this rank alone: its heads of row i would read and write row i+1's slot
+            log.warning("--inject-rank-mismatch: rank %d passes decode step 1's slots shifted by one row", self.rank)
         self._sync()
         t0 = time.perf_counter()
         if self.spec is None:

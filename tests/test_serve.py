@@ -126,7 +126,7 @@ def test_serve_help_and_bad_arguments() -> None:
     run = subprocess.run([sys.executable, str(SERVE), "--help"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and "torchrun --standalone --nproc-per-node 2 launch/serve.py" in run.stdout
     assert "(default: 8)" in run.stdout  # --prefill-chunk
-    for opt in ("--fork-prob P", "--preempt-prob P", "--inject-bad-slot"):
+    for opt in ("--fork-prob P", "--preempt-prob P", "--inject-bad-slot", "--debug", "--inject-rank-mismatch"):
         assert opt in run.stdout, opt
     assert re.search(r"--fork-prob P\s+chance that a free slot takes a fork.*?\(default: 0\.0\)", run.stdout, re.S)
     for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"]):
@@ -243,10 +243,11 @@ def test_serve_forks_and_preemptions(tmp_path: Path, nproc: int) -> None:
     (forks included: their prompt is the shared prefix) checked against the plain float64 model, forks, preemptions
     and resumptions counted (all > 0, each preemption resumed), forks counted among the requests, and the stream's
     7 requests generate exactly the tokens of the run without the options (their checksum equals its checksum of
-    every request); the forks change the checksum of all requests."""
+    every request); the forks change the checksum of all requests. The speculative run is in debug mode: every pool
+    call (alloc, free, fork, export, import, load_state, verify, commit) agrees across the ranks."""
     plain = _plain_run(tmp_path / "plain", nproc)
     life = _torchrun(tmp_path / "life", nproc, *SPEC_ARGS, *LIFE_ARGS)
-    spec = _torchrun(tmp_path / "spec", nproc, *SPEC_ARGS, *LIFE_ARGS, "--spec-tokens", "3")
+    spec = _torchrun(tmp_path / "spec", nproc, *SPEC_ARGS, *LIFE_ARGS, "--spec-tokens", "3", "--debug")
     want = _digest(plain.stdout + plain.stderr)
     for run in (life, spec):
         out = run.stdout + run.stderr
@@ -279,6 +280,26 @@ def test_serve_bad_slot_fails_at_its_step(tmp_path: Path, spec: bool) -> None:
         assert len(lines) == 1 and lines[0].startswith(f"RESULT: FAIL SlotError: ReplaySSMStatePool.{method}("), lines
         assert re.search(rf"\[rank {r}\] ERROR serve: pool\.check\(\) in decode step 1 found bad slots", out)
     assert "serve summary" not in out and "RESULT: OK" not in out
+
+
+@pytest.mark.timeout(240)
+def test_serve_rank_mismatch_fails_at_its_step_in_debug_mode(tmp_path: Path) -> None:
+    """--inject-rank-mismatch: the last rank passes decode step 1's slots shifted by a row. With --debug every rank
+    raises the same RankMismatchError at that decode (naming `slots` and each rank's order) and exits non-zero
+    before the summary; without it the run goes on, and only the tokens' check at the end fails."""
+    args = ("--requests", "4", "--batch", "3", "--new-tokens", "2", "4", "--inject-rank-mismatch")
+    debug = _torchrun(tmp_path / "debug", 2, *args, "--debug")
+    out = debug.stdout + debug.stderr
+    assert debug.returncode != 0, out[-4000:]
+    lines = _results(out, 2)
+    assert all(len(r) == 1 for r in lines) and lines[0] == lines[1], lines
+    assert lines[0][0].startswith("RESULT: FAIL RankMismatchError: ReplaySSMStatePool.decode(layer=0): the ranks "
+                                  "passed different arguments: `slots`: "), lines
+    assert "serve summary" not in out and "RESULT: OK" not in out
+    plain = _torchrun(tmp_path / "plain", 2, *args)
+    out = plain.stdout + plain.stderr
+    assert plain.returncode != 0 and "serve summary" in out, out[-4000:]
+    assert re.search(r"RESULT: FAIL RuntimeError: logits rel err .* greedy tokens differ", out), out[-3000:]
 
 
 @pytest.mark.timeout(240)

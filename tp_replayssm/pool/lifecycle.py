@@ -1,5 +1,7 @@
-"""A request's life in the pool beyond decoding: ``fork``, ``export_state``, ``import_state``.
+"""A request's life in the pool beyond decoding: ``alloc``, ``free``, ``fork``, ``export_state``, ``import_state``.
 
+- :func:`alloc` hands out slots from the host free list and zeroes their state (device ops, no sync); :func:`free`
+  gives them back and marks their cursors free, so the kernels refuse rows that name them.
 - :func:`fork` makes slots copies of others (a request that shares another's prefix): every layer's checkpoint,
   ring (d/k/g), the cursor and the conv window of ``dst`` become those of ``src``, byte for byte, so ``read_state``
   and every later decode of ``dst`` equal ``src``'s until their inputs differ. Where kernels run
@@ -30,17 +32,45 @@ import torch
 
 from ..kernels import fork as fork_kernels
 from ..kernels.backend import runs_kernel
-from ..kernels.guard import SlotGuard, record_bad_rows
+from ..kernels.guard import FREE_CURSOR, SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
 from ..tp.devices import resolve_device
 from ..validation import describe
+from .checks import same_call_on_every_rank
 from .shard import StateShard
 from .slots import host_ids, raise_slot_error, refuse_bad_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["export_state", "fork", "fork_torch", "import_state", "materialize", "pair_verdict"]
+__all__ = ["alloc", "export_state", "fork", "fork_torch", "free", "import_state", "materialize", "pair_verdict"]
+
+
+def alloc(pool: ReplaySSMStatePool, n: int) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.alloc`."""
+    if pool.debug:  # the ranks' free lists must hand out the same ids
+        same_call_on_every_rank(pool, "ReplaySSMStatePool.alloc", n=n, ids=pool._slots.peek(n))
+    ids = pool._slots.take(n, "ReplaySSMStatePool.alloc")
+    out = torch.tensor(ids, dtype=torch.int32, device=pool.device)
+    if n:
+        idx = out.long()
+        for t in (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache, pool.conv_state,
+                  getattr(pool, "spec_folded", None)):  # (spec_folded: pool/spec.py)
+            if t is not None:
+                t.index_fill_(1, idx, 0)
+        pool.cursors.index_fill_(0, idx, 0)
+    return out
+
+
+def free(pool: ReplaySSMStatePool, slots: object) -> None:
+    """:meth:`ReplaySSMStatePool.free`."""
+    where = "ReplaySSMStatePool.free"
+    ids = host_ids(slots, where)
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=ids)
+    pool._slots.give_back(ids, where)
+    if ids:  # the kernels now refuse rows that name these slots
+        pool.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), FREE_CURSOR)
 
 # the most fp32 state bytes materialized on the pool's device at once by an export (layers are done in chunks)
 EXPORT_CHUNK_BYTES = 256 << 20
@@ -81,6 +111,7 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
         raise ValueError(f"{where}: `src` and `dst` must have the same length; got {describe(src)} and "
                          f"{describe(dst)}")
     if pool.debug:
+        same_call_on_every_rank(pool, where, src=src, dst=dst)
         _debug_check_pairs(pool, src, dst, where)
     if src.shape[0] == 0:
         return
@@ -177,6 +208,8 @@ def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device |
     where = "ReplaySSMStatePool.export_state"
     # a CUDA device on a machine without CUDA (or past the visible ones) is a ValueError that says so
     target = pool.device if device is None else resolve_device(device, where)
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=slots)
     ids = _host_slots(pool, slots, where, unique=False)
     n, NL, dev = len(ids), pool.num_layers, pool.device
     loc, shard = pool.local_heads, pool.shard
@@ -229,6 +262,8 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
     for i, s in enumerate(shards):
         if not isinstance(s, StateShard):
             raise ValueError(f"{where}: `shards[{i}]` must be a StateShard; got {type(s).__name__}")
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=slots, source_slots=list(shards[0].source_slots))
     ids = _host_slots(pool, slots, where, unique=True)
     for i, s in enumerate(shards):
         _check_shard(pool, s, i, len(ids), where)

@@ -49,7 +49,7 @@ from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
-from .slots import SlotTable, check_ids, debug_check, host_ids, is_int
+from .slots import SlotTable, check_ids, debug_check, is_int
 
 if TYPE_CHECKING:
     from ..kernels.conv_plan import ConvPlan
@@ -192,26 +192,13 @@ class ReplaySSMStatePool:
         """Hand out ``n`` slots: int32 ids ``[n]`` on ``pool.device``. Each new slot's checkpoint and rings are zeroed
         in every layer and its cursor set to 0 (device ops, no sync). Raises :class:`PoolExhaustedError` (allocating
         nothing) when fewer than ``n`` slots are free."""
-        ids = self._slots.take(n, "ReplaySSMStatePool.alloc")
-        out = torch.tensor(ids, dtype=torch.int32, device=self.device)
-        if n:
-            idx = out.long()
-            for t in (self.checkpoint, self.d_cache, self.k_cache, self.g_cache, self.conv_state,
-                      getattr(self, "spec_folded", None)):  # (spec_folded: pool/spec.py)
-                if t is not None:
-                    t.index_fill_(1, idx, 0)
-            self.cursors.index_fill_(0, idx, 0)
-        return out
+        return lifecycle.alloc(self, n)
 
     def free(self, slots: torch.Tensor | Sequence[int] | int) -> None:
         """Return slots to the pool. A double free, an id out of ``[0, num_slots)`` or never handed out, or the same
         id twice in one call raises ``ValueError`` and frees nothing. (A CUDA tensor of ids is read back to the host;
         pass a list to avoid that sync.)"""
-        where = "ReplaySSMStatePool.free"
-        ids = host_ids(slots, where)
-        self._slots.give_back(ids, where)
-        if ids:  # the kernels now refuse rows that name these slots
-            self.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=self.device), FREE_CURSOR)
+        lifecycle.free(self, slots)
 
     # ---- slot safety ----------------------------------------------------------------------------
 
@@ -297,6 +284,8 @@ class ReplaySSMStatePool:
         conv.check_conv_args(self, x, weight, bias, activation, where)
         check_ids(slots, where, self.device, (torch.int32,))  # (before the debug check reads the ids)
         if self.debug:
+            checks.same_call_on_every_rank(self, where, rows=checks.leading_dims(x), slots=slots,
+                                           activation=activation, bias=bias is not None)
             self._debug_check(slots, where, allow_padding=True, unique=True)
         return conv.conv_update(self, layer, x, weight, slots, bias, activation, self.guard("conv_update", layer),
                                 where, plan=plan)

@@ -8,6 +8,7 @@ device does with bad slot ids is :mod:`tp_replayssm.kernels.guard`.
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -70,6 +71,10 @@ class SlotTable:
             return None
         return "; ".join(f"slot{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {why}"
                          for why, ids in reasons.items())
+
+    def peek(self, n: object) -> list[int]:
+        """The ids ``take(n)`` would hand out now (as many as are free), taking none."""
+        return list(itertools.islice(self._free, n)) if is_int(n) and n > 0 else []
 
     def take(self, n: int, where: str) -> list[int]:
         """``n`` free ids (``PoolExhaustedError``, taking none, when fewer are free)."""

@@ -28,6 +28,7 @@ from ..kernels.verify_launch import run_verify
 from ..reference_spec import chain_parents, parents_valid, path_valid, tree_conv
 from ..spec_validation import VerifyCall, validate_commit, validate_verify
 from . import conv
+from .checks import leading_dims, same_call_on_every_rank
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -88,6 +89,10 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         conv.check_conv_args(pool, mixed_qkv, conv_weight, conv_bias, "silu", where, conv.DECODE_CONV_NAMES)
     elif conv_bias is not None:
         raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
+    if pool.debug:
+        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slots, parents=parents,
+                                conv=conv_weight is not None, scale=scale, lower_bound=lower_bound,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     step = getattr(pool, "_spec_step", None)
     if step is not None and (step.batch, step.drafts, step.parents is None) != (B, T, parents is None):
         raise ValueError(f"{where}: every verify of a step must take the same rows and drafts: this step has B = "
@@ -171,6 +176,8 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
     if step is None:
         raise ValueError(f"{where}: no verify since the last commit (commit follows every layer's verify of a step)")
     validate_commit(slots, num_accepted, path, batch=step.batch, drafts=step.drafts, device=pool.device, where=where)
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=slots, num_accepted=num_accepted, path=path)
     _same_as_step(step.slots, slots, "slots", where)  # (a verified row left out would keep a folded ring live)
     missing = sorted(set(range(pool.num_layers)) - step.layers)
     if missing:  # their rings hold no drafts: committing would move their cursors over stale entries

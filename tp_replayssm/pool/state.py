@@ -16,6 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
+from .checks import same_call_on_every_rank
 from .slots import check_ids, refuse_bad_ids
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                 or not conv_states.dtype.is_floating_point or conv_states.device != pool.device:
             raise ValueError(f"{where}: `conv_states` must be a floating tensor [n, D, W-1] = {[n, D, W1]} on "
                              f"{pool.device}; got {describe(conv_states)}")
+    if pool.debug:
+        same_call_on_every_rank(pool, where, layer=layer, slots=slots, conv_states=conv_states is not None)
     _check_slots(pool, slots, where, unique=True, write=True)
     idx = slots.long()
     views = pool.layer(layer)

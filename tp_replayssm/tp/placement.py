@@ -61,12 +61,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PlacementError
-from .verdicts import (PoolFingerprint, RankReport, _digest, _local_report, cross_rank_problems,
-                       format_placement_error, local_problems)
+from .verdicts import (PoolFingerprint, RankReport, _local_report, cross_rank_problems, format_placement_error,
+                       local_problems, text_digest)
 
 __all__ = ["PlacementError", "PoolFingerprint", "RankReport", "check_timeout_s", "collective_placement_check",
-           "cross_rank_problems", "format_placement_error", "gather_texts", "local_problems", "placement_check_stats",
-           "reset_check_groups"]
+           "cross_rank_problems", "format_placement_error", "gather_if_different", "gather_texts", "local_problems",
+           "placement_check_stats", "reset_check_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def _exchange(pg: Any, report: RankReport) -> list[RankReport] | None:
     """All-gather the fixed-shape verdicts; on any problem, all-gather the full reports."""
     world = dist.get_world_size(pg)
     fp_digest = report.fingerprint_digest
-    dev_digest = _digest(report.device_key) if report.device_key else 0
+    dev_digest = text_digest(report.device_key) if report.device_key else 0
     row = torch.tensor([_MAGIC, 1 if report.problems else 0, fp_digest, dev_digest, report.rank], dtype=torch.int64)
     table = torch.empty(world, _ROW, dtype=torch.int64)
     dist.all_gather(list(table.unbind(0)), row, group=pg)
@@ -208,23 +208,37 @@ def gather_texts(group: Any, text: str | None, context: str) -> list[str | None]
     """Every rank's optional ``text`` (e.g. its ``SlotError``), in group rank order, over the check group: a flag per
     rank first, the texts only when some rank has one. Collective over ``group``; a peer that does not take part
     within the check timeout raises :class:`PlacementError` naming ``context``."""
+    texts = _gather_when(group, 0 if text is None else 1, text, context, any, f"Local result: {text or 'ok'}")
+    return [None] * len(dist.get_process_group_ranks(group)) if texts is None else texts
+
+
+def gather_if_different(group: Any, digest: int, payload: Any, context: str, local: str) -> list[Any] | None:
+    """Every rank's ``payload`` in group rank order when the ranks' ``digest`` values (63-bit ints) differ, else None:
+    one all-gather of the digests, the payloads only on a difference. Collective over ``group``; a peer that does
+    not take part within the check timeout raises :class:`PlacementError` naming ``context`` and ending with
+    ``local`` (what this rank brought)."""
+    return _gather_when(group, digest, payload, context, lambda words: len(set(words)) > 1, local)
+
+
+def _gather_when(group: Any, word: int, payload: Any, context: str, wanted: Any, local: str) -> list[Any] | None:
+    """All-gather one int64 ``word`` per rank over the check group; when ``wanted(words)``, all-gather the ranks'
+    ``payload`` objects and return them (group rank order), else None."""
     with _no_fake_mode():
         pg = _check_group(group)
         world = dist.get_world_size(pg)
         try:
-            flags = torch.zeros(world, dtype=torch.int64)
-            dist.all_gather(list(flags.unbind(0)), torch.tensor(0 if text is None else 1, dtype=torch.int64),
-                            group=pg)
-            if not flags.any():
-                return [None] * world
-            texts: list[Any] = [None] * world
-            dist.all_gather_object(texts, text, group=pg)
+            words = torch.zeros(world, dtype=torch.int64)
+            dist.all_gather(list(words.unbind(0)), torch.tensor(word, dtype=torch.int64), group=pg)
+            if not wanted(words.tolist()):
+                return None
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, payload, group=pg)
         except Exception as exc:  # noqa: BLE001 - a peer died or never called the exchange
             raise PlacementError(
                 f"{context}: rank {dist.get_rank(group)} could not exchange its check's result with its group within "
                 f"{check_timeout_s():.0f} s ({type(exc).__name__}: {exc}); another rank probably failed or is not "
-                f"running the same call. Local result: {text or 'ok'}") from exc
-    return texts
+                f"running the same call. {local}") from exc
+    return gathered
 
 
 def _collective(

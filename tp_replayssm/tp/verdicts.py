@@ -21,7 +21,8 @@ import torch
 
 from . import devices
 
-__all__ = ["PoolFingerprint", "RankReport", "cross_rank_problems", "format_placement_error", "local_problems"]
+__all__ = ["PoolFingerprint", "RankReport", "cross_rank_problems", "format_placement_error", "local_problems",
+           "text_digest"]
 
 _MAX_NAMES = 8  # tensor names listed per (rank, actual device) before "... and N more"
 
@@ -76,10 +77,11 @@ class RankReport:
 
 @functools.lru_cache(maxsize=64)
 def _fingerprint_digest(fp: PoolFingerprint) -> int:
-    return _digest(repr(sorted(fp.agreement().items())))
+    return text_digest(repr(sorted(fp.agreement().items())))
 
 
-def _digest(text: str) -> int:
+def text_digest(text: str) -> int:
+    """A stable (process-independent) 63-bit digest of ``text``: what ranks compare instead of the text."""
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
