@@ -22,7 +22,7 @@ W = 4
 T = 2
 
 CASES = ("same", "slots-order", "batch", "force-flush", "calls", "num-accepted", "parents", "alloc", "free", "fork",
-         "load-state")
+         "load-state", "layer-prefill")
 
 
 def _snapshot(pool: ReplaySSMStatePool) -> list[torch.Tensor]:
@@ -64,6 +64,17 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
             pool.verify(layer, x.mixed_qkv.view(B, T, -1), x.a.view(B, T, -1), x.b.view(B, T, -1),
                         params[layer].A_log, params[layer].dt_bias, ids, parents=parents, conv_weight=conv_w)
 
+    def prefill() -> None:  # the TP layer's prefill of 2 packed sequences, 5 tokens: one rank splits them 1 + 4
+        from _layer_helpers import random_weights
+
+        from tp_replayssm.layers import KDALayerConfig, TPKimiDeltaAttention
+
+        config = KDALayerConfig(32, 2, 4, K, V, 16, conv_size=W)
+        layer = TPKimiDeltaAttention.from_state_dict(random_weights(config, 2), config, pool=pool, layer_idx=0,
+                                                     group=dist.group.WORLD)
+        cu = torch.tensor([0, 1 if me else 2, 5], dtype=torch.int32)
+        layer(torch.randn(5, 32, generator=torch.Generator().manual_seed(5)), slots[:2], cu)
+
     accepted = torch.tensor([1, 2, 0], dtype=torch.int32)
     calls = {
         "same": lambda: decode(slots),
@@ -77,6 +88,7 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
         "free": lambda: pool.free([int(slots[2]) if me else int(slots[1])]),
         "fork": lambda: pool.fork(slots[:1], torch.tensor([5 if me else 6], dtype=torch.int32)),
         "load-state": lambda: pool.load_state(1, slots[1:] if me else slots[:2], torch.zeros(2, loc.num_v_heads, V, K)),
+        "layer-prefill": prefill,
     }
     if case == "num-accepted":  # the step's verify (alike on every rank) opens the step the commit closes
         verify(slots)

@@ -26,6 +26,7 @@ EXPECT = {
     "free": ["ReplaySSMStatePool.free", "`slots`: [1] on rank", "[2] on rank"],
     "fork": ["ReplaySSMStatePool.fork", "`dst`: [6] on rank", "[5] on rank"],
     "load-state": ["ReplaySSMStatePool.load_state", "`slots`: [0, 1] on rank", "[1, 2] on rank"],
+    "layer-prefill": ["TPKimiDeltaAttention.prefill(layer=0)", "`cu_seqlens`: [0, 2, 5] on rank", "[0, 1, 5] on rank"],
 }
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..pool.checks import same_call_on_every_rank
 from ..pool.slots import check_ids, refuse_bad_ids
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
@@ -253,6 +254,8 @@ class TPKimiDeltaAttention(torch.nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         cu = _host_cu_seqlens(cu_seqlens, x.shape[0], slots.shape[0], where)
         pool, layer = self.pool, self.layer_idx
+        if pool.debug:  # the ranks' chunk boundaries too (the pool's calls below compare only the slots)
+            same_call_on_every_rank(pool, where, slots=slots, cu_seqlens=cu, advance=bool(advance))
         pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
         refuse_bad_ids(pool, [int(i) for i in slots.tolist()], where, unique=True)
         states = pool.read_state(layer, slots)
