@@ -28,7 +28,8 @@ and the sampled rows are checked against that state instead of the one ``read_st
 All ranks draw the same scheduling and activation random numbers (one seed), so row b is the same request on every
 rank; weights are generated per head block, so each rank materializes only its own column/row slices.
 ``--inject-fault KIND`` makes the last rank misplaced or disagreeing to demonstrate each placement error: every rank
-then raises the same PlacementError.
+then raises the same PlacementError. ``--debug`` runs the pools in debug mode (slot ids checked at each call, and the
+ranks' calls compared: ``--inject-fault rank-mismatch --debug`` makes every rank raise the same RankMismatchError).
 
 Output: rank 0 prints a summary (tokens/s, achieved state GB/s, memory per rank, placement-check cost) that ends
 with "RESULT: OK". On any error (a placement fault, a sampled row that mismatched the oracle) every rank logs the
@@ -60,7 +61,7 @@ SHAPES = {
     "kimi-linear": dict(num_q_heads=32, num_v_heads=32, key_dim=128, value_dim=128, num_layers=20, hidden=2304),
 }
 FAULTS = ("pool-device", "cache-device", "activation-device", "same-device", "ring-length", "num-slots",
-          "num-layers", "state-dtype", "cache-dtype", "tp-rank", "bad-slot")
+          "num-layers", "state-dtype", "cache-dtype", "tp-rank", "bad-slot", "rank-mismatch")
 RING_LAYOUTS = ("predecayed", "sglang")  # tp_replayssm.validation.RING_LAYOUTS (not imported: --help stays fast)
 
 log = logging.getLogger("decode")
@@ -113,7 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-fault", choices=FAULTS, default=None,
                    help="demonstrate a placement error (the last rank is misplaced or disagrees; same-device needs "
                         "--device cuda), or with bad-slot a slot id out of range in step 1 on every rank (the kernels "
-                        "refuse the row; pool.check() raises SlotError)")
+                        "refuse the row; pool.check() raises SlotError), or with rank-mismatch the last rank's slots "
+                        "of step 1 shifted by a row (with --debug every rank raises RankMismatchError; without, the "
+                        "sampled rows' check fails)")
+    p.add_argument("--debug", action="store_true",
+                   help="the pools' debug mode: every call's slot ids checked on the host (a sync), and the ranks "
+                        "compare every pool call's arguments (a gloo all-gather; also TP_REPLAYSSM_DEBUG=1)")
     p.add_argument("--corrupt-output", action="store_true",
                    help="self-test of the verification: the last rank perturbs one decode output (exits non-zero)")
     return p
@@ -191,7 +197,7 @@ class Engine:
         kw = dict(num_layers=self.num_layers, num_slots=num_slots, ring_length=args.ring_length,
                   state_dtype=getattr(torch, args.state_dtype), cache_dtype=getattr(torch, args.cache_dtype),
                   group=dist.group.WORLD, device=self.device, ring_layout=args.ring_layout,
-                  conv_kernel_size=args.conv_size)
+                  conv_kernel_size=args.conv_size, debug=True if args.debug else None)
         if args.inject_fault == "same-device":  # every rank on cuda:0 (forgot set_device(local_rank))
             torch.cuda.set_device(0)
             kw["device"] = torch.device("cuda", 0)
@@ -293,6 +299,9 @@ class Engine:
             log.warning("injecting fault bad-slot: row %d names slot %d of a %d-slot pool", row,
                         self.pool.num_slots + 3, self.pool.num_slots)
             slots_h[row] = self.pool.num_slots + 3
+        if self.fault == "rank-mismatch" and step == 1:  # the last rank alone: its heads of row i use row i+1's slot
+            log.warning("injecting fault rank-mismatch on rank %d: step 1's slots shifted by one row", self.rank)
+            slots_h = slots_h[1:] + slots_h[:1]
         sample = live[: args.check_rows] if check else []
         before, windows = starting_states(self, sample)  # what the oracle starts the sampled rows from
         g = torch.Generator().manual_seed(args.seed * 7919 + step)

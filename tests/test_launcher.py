@@ -251,9 +251,10 @@ def test_launcher_forks_and_preempts_requests() -> None:
     """``--fork-prob`` and ``--preempt-prob`` on two gloo ranks: new requests fork running ones (``pool.fork``),
     running requests are exported to CPU, freed and resumed in new slots (``export_state`` / ``import_state``), and
     the float64 oracle, which follows every request through its forks and preemptions, still agrees on every sampled
-    row, forked and resumed requests among them."""
+    row, forked and resumed requests among them. In debug mode: every pool call (alloc, free, fork, export, import,
+    load_state, decode) also agrees across the ranks."""
     run = _torchrun("--steps", "10", "--batch", "4", "--seed", "3", "--fork-prob", "0.5", "--preempt-prob", "0.25",
-                    "--check-rows", "4")
+                    "--check-rows", "4", "--debug")
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     assert "RESULT: OK" in out, out[-4000:]
@@ -277,4 +278,23 @@ def test_launcher_bad_slot_is_refused_and_reported(tmp_path: Path) -> None:
     fails = re.findall(r"RESULT: FAIL (.*)", out)
     assert len(fails) == 2 and fails[0] == fails[1], fails
     assert fails[0].startswith("SlotError: ReplaySSMStatePool.decode(layer=0): 1 row(s)") and "slot 11" in fails[0]
+    assert "RESULT: OK" not in out
+
+
+@pytest.mark.parametrize("debug", [True, False], ids=["debug", "default"])
+def test_launcher_rank_mismatch(tmp_path: Path, debug: bool) -> None:
+    """``--inject-fault rank-mismatch``: the last rank passes step 1's slots shifted by a row. With ``--debug`` every
+    rank raises the same RankMismatchError at that decode, naming `slots` and each rank's order; without it the
+    ranks decode each other's rows and the sampled rows' check fails."""
+    run = _torchrun("--inject-fault", "rank-mismatch", *(["--debug"] if debug else []), timeout=100.0,
+                    log_dir=tmp_path / "logs")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0, out[-4000:]
+    fails = re.findall(r"RESULT: FAIL (.*)", out)
+    assert len(fails) == 2 and fails[0] == fails[1], fails
+    if debug:
+        assert fails[0].startswith("RankMismatchError: ReplaySSMStatePool.decode(layer=0): the ranks passed "
+                                   "different arguments: `slots`: "), fails[0]
+    else:
+        assert fails[0].startswith("RuntimeError: ") and "sampled rows mismatched" in fails[0], fails[0]
     assert "RESULT: OK" not in out
