@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..pool.checks import same_call_on_every_rank
 from ..pool.slots import check_ids, refuse_bad_ids
 from .kda_torch import chunk_kda_torch, kda_activations
 
@@ -98,6 +99,8 @@ def end_prefill(pool: ReplaySSMStatePool, slots: torch.Tensor) -> None:
     where = "end_prefill"
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     ids = [int(i) for i in slots.tolist()]
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=ids)
     refuse_bad_ids(pool, ids, where, unique=True)
     if ids:
         pool.cursors.index_fill_(0, slots.long(), 0)
