@@ -6,7 +6,7 @@ count of readers rides above the cursor's 16 bits): the count is the cursor read
 stores the moved cursor. Every program of the row gets the same cursor, the same outputs and caches bit for bit, the
 same cursors afterwards (padding rows leave the scratch entry alone). On CPU the kernel runs in the Triton
 interpreter (one program at a time), so the counting is checked there and the ordering on the GPU (``gpu`` marker:
-4 to 256 programs per row; the pool's CUDA-graph step with the fused advance is in ``tests/test_pool.py``).
+4 to 256 programs per row; the pool's CUDA-graph step with the fused advance is in ``tests/test_pool_cuda_graph.py``).
 """
 
 from __future__ import annotations
