@@ -30,7 +30,7 @@ Commands (the device; ``source benchmarks/device_setup.sh`` first)::
     python3 benchmarks/bench_layer.py                       # TP1 and TP8, B = 1, 8, 64, 256 (~2 min)
     python3 benchmarks/bench_layer.py --tp 8 --batch 64     # one shape
     python3 benchmarks/bench_layer.py --device cpu --hidden 64 --heads 2 --head-dim 16 --tp 1 --batch 2 --no-fla \\
-        --ring-length 4   # a smoke run on a CPU (wall-clock, no graphs; tests/test_layers.py runs it)
+        --ring-length 4   # a smoke run on a CPU (wall-clock, no graphs; tests/test_bench_layer.py runs it)
 
 Prints one table and writes ``bench_layer.json`` into ``--out`` (else ``$OUT``, else ``benchmarks/out``).
 """

@@ -1,5 +1,5 @@
-"""The resharding scenario of tests/test_lifecycle.py, in one process (pools of every tp size side by side) and on
-spawned gloo ranks (:func:`reshard_worker`, run by ``_dist_helpers.run_ranks``; importable by the children).
+"""The resharding scenario of tests/test_lifecycle_reshard.py, in one process (pools of every tp size side by side)
+and on spawned gloo ranks (:func:`reshard_worker`, run by ``_dist_helpers.run_ranks``; importable by the children).
 
 A global model (heads ``KDAHeads(H, HV, K, V)``, ``NL`` layers with a short conv of kernel ``W``) decodes two
 requests (plus a padding row) through a chain of pool sets of tp sizes ``tps``: a phase decodes ``steps[p]`` model
