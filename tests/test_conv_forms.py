@@ -2,9 +2,9 @@
 ``"taps"`` (any number of tokens), their plans and their agreement.
 
 Each form runs in Triton's interpreter on tiny shapes against the PyTorch path (windows bit for bit), the float64
-oracles of ``test_conv`` (``torch.nn.functional.conv1d`` and explicit taps) and each other, with NaN-poisoned outputs
-and sentinel-filled windows no row may touch; ``gpu`` tests do the same on CUDA at Kimi-like channel counts. The sm_90
-compile of the "taps" form's library plans is checked here (the "once" form's is in ``test_conv``).
+oracles of ``_conv_helpers`` (``torch.nn.functional.conv1d`` and explicit taps) and each other, with NaN-poisoned
+outputs and sentinel-filled windows no row may touch; ``gpu`` tests do the same on CUDA at Kimi-like channel counts.
+The sm_90 compile of the "taps" form's library plans is checked here (the "once" form's is in ``test_conv_kernel``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from test_conv import (BAD, D, S, SENTINEL, conv1d_oracle, conv_params, i32, make_pool, random_windows, taps_oracle)
+from _conv_helpers import (BAD, D, S, SENTINEL, conv1d_oracle, conv_params, i32, make_pool, random_windows,
+                           taps_oracle)
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.kernels.backend import use_cpu_backend
 from tp_replayssm.kernels.conv_plan import (MIN_PROGRAMS_PER_SM, ONCE_CHANNELS_PER_THREAD, ConvPlan, conv_bytes,
