@@ -1,5 +1,5 @@
-"""Helpers of the speculative-decoding tests (tests/test_spec.py): pools, draft inputs, sequential decode twins, the
-float64 tree oracle and the distributed worker.
+"""Helpers of the speculative-decoding tests (tests/test_spec.py, tests/test_spec_slots.py): pools, draft inputs,
+sequential decode twins, the float64 tree oracle and the distributed worker.
 
 The checks all compare a pool that ran ``verify`` + ``commit`` against:
 - a *twin* (a deep copy of the pool before the verify) that decodes the same tokens one at a time with
@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from tp_replayssm import KDAHeads, ReplaySSMStatePool
-from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, random_head_params
+from tp_replayssm.testing import DecodeInputs, HeadParams, PlainKDA, random_decode_inputs, random_head_params
 
 K = V = 16
 
@@ -191,6 +191,26 @@ def rel(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if not torch.isfinite(a).all():
         return float("inf")
     return float((a - e).norm() / e.norm().clamp_min(1e-30))
+
+
+def build(heads: KDAHeads, *, layout: str = "predecayed", state: torch.dtype = torch.float32,
+          cache: torch.dtype = torch.float32, L: int = 5, S: int = 6, NL: int = 2, **kw: object) -> ReplaySSMStatePool:
+    return ReplaySSMStatePool(heads, num_layers=NL, num_slots=S, ring_length=L, ring_layout=layout, state_dtype=state,
+                              cache_dtype=cache, device="cpu", **kw)
+
+
+def staggered(pool: ReplaySSMStatePool, model: object, oracle: Oracle | None, slots: list[int],
+              gen: torch.Generator, a_shift: float = 0.0) -> None:
+    """Decode 0, 1, 2, ... tokens per row (row r sits out after r steps) so the rows' cursors differ."""
+    lh = pool.local_heads
+    for i in range(len(slots)):
+        step = [s if r > i else -1 for r, s in enumerate(slots)]
+        inputs = [random_decode_inputs(len(slots), lh.num_q_heads, lh.num_v_heads, K, V, dtype=torch.float32,
+                                       generator=gen) for _ in range(pool.num_layers)]
+        inputs = [type(x)(x.mixed_qkv, x.a + a_shift, x.b) for x in inputs]
+        decode_step(pool, model, inputs, torch.tensor(step, dtype=torch.int32))
+        if oracle is not None:
+            oracle.step(model, inputs, step)
 
 
 # ---- the distributed worker (gloo, spawned by tests/_dist_helpers.run_ranks) -------------------------------------

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import _dist_helpers as h
+import _distributed_workers as dw
 from tp_replayssm.tp import distributed
 
 
@@ -24,7 +25,7 @@ from tp_replayssm.tp import distributed
 def test_tp_equivalence(tmp_path, world, H, HV, L, cache, tol_ref, tol_oracle) -> None:  # noqa: ANN001
     """Each rank's pool in both ring layouts (one spawn): the gathered outputs equal the single-rank reference and
     the float64 recurrence."""
-    by_layout = h.run_ranks(h.tp_equivalence, world, tmp_path, H, HV, L, 3, cache, timeout_s=220)
+    by_layout = h.run_ranks(dw.tp_equivalence, world, tmp_path, H, HV, L, 3, cache, timeout_s=220)
     assert all(sorted(r) == ["predecayed", "sglang"] for r in by_layout)
     for layout in ("sglang", "predecayed"):
         results = [r[layout] for r in by_layout]
@@ -49,7 +50,7 @@ def test_tp_equivalence(tmp_path, world, H, HV, L, cache, tol_ref, tol_oracle) -
 @pytest.mark.timeout(120)
 def test_init_uses_rank_not_local_rank(tmp_path) -> None:  # noqa: ANN001
     """Every rank has LOCAL_RANK=0 (one process per node): the global ranks still come from RANK."""
-    infos = h.run_ranks(h.dist_env, 2, tmp_path, one_per_node=True)
+    infos = h.run_ranks(dw.dist_env, 2, tmp_path, one_per_node=True)
     assert [i["rank"] for i in infos] == [0, 1] and [i["dist_rank"] for i in infos] == [0, 1]
     assert [i["local_rank"] for i in infos] == [0, 0]
     for i in infos:

@@ -12,6 +12,7 @@ import re
 import pytest
 
 import _dist_helpers as h
+import _distributed_workers as dw
 from test_launcher import _torchrun, placement_error_lines, result_lines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
@@ -72,7 +73,7 @@ def test_launcher_placement_faults_two_gpus(tmp_path, fault: str, offenders: str
 def test_tp_equivalence_nccl(tmp_path, H, HV, L, cache, dim, tol_ref, tol_oracle) -> None:  # noqa: ANN001
     """Pools on cuda:0 and cuda:1 (both ring layouts), outputs all-gathered over NCCL, equal the single-rank
     reference on the global heads and the float64 recurrence."""
-    by_layout = h.run_ranks(h.tp_equivalence, 2, tmp_path, H, HV, L, 4, cache, dim, timeout_s=220, device="cuda")
+    by_layout = h.run_ranks(dw.tp_equivalence, 2, tmp_path, H, HV, L, 4, cache, dim, timeout_s=220, device="cuda")
     for layout in ("sglang", "predecayed"):
         results = [r[layout] for r in by_layout]
         r0 = results[0]

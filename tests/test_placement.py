@@ -1,7 +1,7 @@
 """Placement checks (docs/contract.md, placement): verdict formatting, local rules, and the collective fault matrix.
 
-The fault matrix runs on spawned CPU/gloo ranks (see ``_dist_helpers``): one rank is misplaced or
-disagrees, and every rank must raise the *identical* ``PlacementError`` naming that rank (and only
+The fault matrix runs on spawned CPU/gloo ranks (see ``_dist_helpers`` and ``_placement_workers``): one rank is
+misplaced or disagrees, and every rank must raise the *identical* ``PlacementError`` naming that rank (and only
 that rank), within seconds, with no rank hanging and no pool tensor changed.
 """
 
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import _dist_helpers as h
+import _placement_workers as pw
 from tp_replayssm import PlacementError
 from tp_replayssm.tp import devices
 from tp_replayssm.tp import placement as P
@@ -25,7 +26,7 @@ FAST_S = 10.0  # "within seconds": generous for a loaded 2-core CI machine
 
 
 def _report(rank: int, problems: tuple[str, ...] = (), *, device: str = "cpu", key: str = "", **fp_over) -> P.RankReport:
-    fp = dataclasses.asdict(h._fingerprint(4, rank, **fp_over))
+    fp = dataclasses.asdict(pw._fingerprint(4, rank, **fp_over))
     return P.RankReport(rank, rank, "hostA", device, key, fp, problems, "unit")
 
 
@@ -37,11 +38,11 @@ def test_placement_error_is_value_error() -> None:
 
 
 def test_fingerprint_digest_ignores_tp_rank_only() -> None:
-    a, b = h._fingerprint(2, 0), h._fingerprint(2, 1)
+    a, b = pw._fingerprint(2, 0), pw._fingerprint(2, 1)
     assert a.digest() == b.digest()
-    for field, value in h.FINGERPRINT_FAULTS.values():
-        assert h._fingerprint(2, 0, **{field: value}).digest() != a.digest(), field
-    assert h._fingerprint(2, 0, tp_size=3).digest() != a.digest()
+    for field, value in pw.FINGERPRINT_FAULTS.values():
+        assert pw._fingerprint(2, 0, **{field: value}).digest() != a.digest(), field
+    assert pw._fingerprint(2, 0, tp_size=3).digest() != a.digest()
 
 
 def test_format_none_when_all_ok() -> None:
@@ -88,14 +89,14 @@ def test_format_shared_cuda_device_names_both_ranks() -> None:
 
 def test_local_check_exception_becomes_a_problem() -> None:
     report = P._local_report(
-        expected_device=torch.device("cpu"), require_current_device=False, fingerprint=h._fingerprint(1, 0),
-        tensors={"x": torch.zeros(1), "bad": h.ExplodingTensor()}, context="unit", group_rank=0, global_rank=0,
+        expected_device=torch.device("cpu"), require_current_device=False, fingerprint=pw._fingerprint(1, 0),
+        tensors={"x": torch.zeros(1), "bad": pw.ExplodingTensor()}, context="unit", group_rank=0, global_rank=0,
         group_size=1, group_backend="gloo")
     assert report.problems == ("local placement check raised RuntimeError: device query failed (injected)",)
 
 
 def test_no_group_is_local_and_raises_placement_error() -> None:
-    fp = h._fingerprint(2, 1)  # a pool without a group may hold any shard
+    fp = pw._fingerprint(2, 1)  # a pool without a group may hold any shard
     good = {"checkpoint": torch.zeros(2), "force_flush": None}
     P.collective_placement_check(group=None, expected_device=torch.device("cpu"), require_current_device=False,
                                  fingerprint=fp, tensors=good, context="unit")
@@ -107,11 +108,11 @@ def test_no_group_is_local_and_raises_placement_error() -> None:
     assert "`k_cache`, `g_cache` on meta, expected cpu" in msg and "no group" in msg
     with pytest.raises(PlacementError, match="tp_rank 2 not in"):
         P.collective_placement_check(group=None, expected_device=torch.device("cpu"), require_current_device=False,
-                                     fingerprint=h._fingerprint(2, 2), tensors=good, context="unit")
+                                     fingerprint=pw._fingerprint(2, 2), tensors=good, context="unit")
 
 
 def test_current_device_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    fp = h._fingerprint(1, 0)
+    fp = pw._fingerprint(1, 0)
     kw = dict(require_current_device=True, fingerprint=fp, tensors={}, group_rank=0, group_size=1)
     assert P.local_problems(expected_device=torch.device("cpu"), group_backend="gloo", **kw) == []
     assert "not this rank's current device cpu" in P.local_problems(expected_device=torch.device("meta"), **kw)[0]
@@ -175,7 +176,7 @@ SUB_FAULTS = ["none", "ring-length", "activation-device"]
 def matrix4(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[dict, dict]]:
     """One 4-rank run: the whole matrix on the world group (bad rank 2), then ``SUB_FAULTS`` in two TP
     groups [0, 1] and [2, 3] at once (bad group-rank 1, i.e. global ranks 1 and 3)."""
-    return h.run_ranks(h.placement_matrix_world_and_subgroups, 4, tmp_path_factory.mktemp("m4"), 2,
+    return h.run_ranks(pw.placement_matrix_world_and_subgroups, 4, tmp_path_factory.mktemp("m4"), 2,
                        OK_CASES + list(EXPECT), 1, SUB_FAULTS)
 
 
@@ -203,7 +204,7 @@ def test_fault_matrix_tp_subgroups(matrix4: list[tuple[dict, dict]], fault: str)
 def test_fault_matrix_2_ranks(tmp_path) -> None:  # noqa: ANN001
     """With two ranks a disagreement is a tie: the lowest rank is the reference, rank 1 is named."""
     faults = ["none", "ring-length", "cache-dtype", "activation-device", "local-check-throws", "same-cuda-device"]
-    results = h.run_ranks(h.placement_matrix, 2, tmp_path, 1, faults)
+    results = h.run_ranks(pw.placement_matrix, 2, tmp_path, 1, faults)
     for fault in faults:
         _assert_case(results, fault, 1, 2, [0, 1] if fault == "same-cuda-device" else [1])
 
@@ -232,7 +233,7 @@ POOL_EXPECT = {
 @pytest.mark.timeout(150)
 def test_pool_fault_matrix(tmp_path) -> None:  # noqa: ANN001
     faults = ["verify-ok"] + list(POOL_EXPECT)
-    results = h.run_ranks(h.pool_faults, 2, tmp_path, 1, faults)
+    results = h.run_ranks(pw.pool_faults, 2, tmp_path, 1, faults)
     for fault in faults:
         msgs = [r[fault][0] for r in results]
         assert all(r[fault][1] < FAST_S for r in results), (fault, [r[fault][1] for r in results])
@@ -252,7 +253,7 @@ def test_a_slot_error_on_one_rank_is_raised_on_every_rank(tmp_path, world: int) 
     """``verify_placement()`` exchanges the ranks' ``check()`` results: the SlotError of the one rank that named a
     bad slot is raised on every rank with the same text (naming that rank and its record), and the ranks stay
     together (a later collective call meets on all of them)."""
-    results = h.run_ranks(h.slot_error_on_one_rank, world, tmp_path, 1)
+    results = h.run_ranks(pw.slot_error_on_one_rank, world, tmp_path, 1)
     owns, msgs, laters = zip(*results)
     assert owns == tuple("recorded" if r == 1 else "ok" for r in range(world)), owns
     assert msgs[0] is not None and all(m == msgs[0] for m in msgs), msgs
@@ -264,4 +265,4 @@ def test_a_slot_error_on_one_rank_is_raised_on_every_rank(tmp_path, world: int) 
 def test_world_pool_after_a_subgroup_was_created(tmp_path) -> None:  # noqa: ANN001
     """A rank outside an earlier subgroup knows one process group fewer; the check group over the whole world must
     still be one group on every rank (its name must not depend on that count)."""
-    assert h.run_ranks(h.world_pool_after_a_subgroup, 4, tmp_path) == ["ok"] * 4
+    assert h.run_ranks(pw.world_pool_after_a_subgroup, 4, tmp_path) == ["ok"] * 4
