@@ -21,8 +21,8 @@ K = V = 16
 W = 4
 T = 2
 
-CASES = ("same", "slots-order", "batch", "force-flush", "calls", "num-accepted", "parents", "alloc", "free", "fork",
-         "load-state", "layer-prefill")
+CASES = ("same", "same-meaning", "slots-order", "batch", "force-flush", "calls", "num-accepted", "commit-shape",
+         "parents", "alloc", "free", "fork", "load-state", "layer-prefill", "placement-vs-call")
 
 
 def _snapshot(pool: ReplaySSMStatePool) -> list[torch.Tensor]:
@@ -75,8 +75,19 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
         cu = torch.tensor([0, 1 if me else 2, 5], dtype=torch.int32)
         layer(torch.randn(5, 32, generator=torch.Generator().manual_seed(5)), slots[:2], cu)
 
+    def same_meaning() -> None:  # arguments spelled differently on one rank that mean the same
+        pad = torch.tensor([int(slots[0]), int(slots[1]), -2 if me else -1], dtype=torch.int32)
+        decode(pad, force_flush=torch.zeros(3, dtype=torch.int32) if me else None)
+        chain = torch.tensor([[-1, 0]] * 3, dtype=torch.int32)
+        verify(slots, chain if me else None)
+        pool.commit(slots, accepted, path=torch.tensor([[0, 1]] * 3, dtype=torch.int32) if me else None)
+        pool.export_state(slots.tolist() if me else slots.long())
+
     accepted = torch.tensor([1, 2, 0], dtype=torch.int32)
     calls = {
+        "same-meaning": same_meaning,
+        "commit-shape": lambda: pool.commit(slots[:2] if me else slots, accepted[:2] if me else accepted),
+        "placement-vs-call": lambda: pool.verify_placement() if me else pool.advance(slots),
         "same": lambda: decode(slots),
         "slots-order": lambda: decode(slots.flip(0) if me else slots),
         "batch": lambda: decode(slots[:2] if me else slots),
@@ -90,7 +101,7 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
         "load-state": lambda: pool.load_state(1, slots[1:] if me else slots[:2], torch.zeros(2, loc.num_v_heads, V, K)),
         "layer-prefill": prefill,
     }
-    if case == "num-accepted":  # the step's verify (alike on every rank) opens the step the commit closes
+    if case in ("num-accepted", "commit-shape"):  # the step's verify (alike on every rank) opens the step
         verify(slots)
     if case == "alloc" and me:  # this rank's free list diverges (unchecked): slot 2 freed, slot 3 taken
         pool.debug = False
@@ -105,7 +116,7 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
     except Exception as exc:  # noqa: BLE001
         err = (type(exc).__name__, str(exc))
     unchanged = all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool))) and pool.allocated_slots() == allocated
-    if case == "num-accepted" and err[0] is not None:  # the step is still open: close it alike on every rank
+    if case in ("num-accepted", "commit-shape") and err[0] is not None:  # the step is open: close it alike
         pool.commit(slots, accepted)
     try:
         pool.verify_placement()  # a collective: every rank must still be at the same point
@@ -113,3 +124,47 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
     except Exception:  # noqa: BLE001
         met = False
     return (*err, unchanged, met)
+
+
+def late_rank(rank: int, world: int, odd: int) -> tuple[str, str, bool]:
+    """Rank ``odd`` reaches a debug-mode call after the check's timeout (3 s): (the error type on this rank, its
+    text, whether the ranks then meet again at the next calls, which need a new check group)."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from tp_replayssm.tp import placement
+
+    os.environ["TP_REPLAYSSM_PLACEMENT_TIMEOUT_S"] = "3"
+    placement.reset_check_groups()  # (a check group made before has the harness's timeout)
+    pool = ReplaySSMStatePool(KDAHeads(2, 4, K, V), num_layers=1, num_slots=4, ring_length=4,
+                              group=dist.group.WORLD, device="cpu", debug=True)
+    slots = pool.alloc(2)
+    if rank == odd:
+        time.sleep(6)
+    try:
+        pool.advance(slots)
+        kind, text = "none", ""
+    except Exception as exc:  # noqa: BLE001
+        kind, text = type(exc).__name__, str(exc)
+    dist.barrier()  # (the main group: the ranks line up again)
+    try:
+        pool.advance(slots)
+        pool.verify_placement()
+        met = True
+    except Exception:  # noqa: BLE001
+        met = False
+    return kind, text, met
+
+
+def debug_on_one_rank(rank: int, world: int, odd: int) -> str:
+    """A pool built in debug mode on rank ``odd`` alone: the construction's placement check refuses it (the text)."""
+    import torch.distributed as dist
+
+    try:
+        ReplaySSMStatePool(KDAHeads(2, 4, K, V), num_layers=1, num_slots=4, ring_length=4, group=dist.group.WORLD,
+                           device="cpu", debug=rank == odd)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "built"

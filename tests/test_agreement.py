@@ -8,25 +8,31 @@ import pytest
 import torch
 
 import _dist_helpers as h
-from _agreement_workers import CASES, mismatch_cases
+from _agreement_workers import CASES, debug_on_one_rank, late_rank, mismatch_cases
 from tp_replayssm import KDAHeads, RankMismatchError, ReplaySSMStatePool
-from tp_replayssm.pool.checks import _mismatch_text, _value_text
+from tp_replayssm.pool.agreement import _value_text, chain_or_value, flagged_rows, mismatch_text, slot_ids
+from tp_replayssm.pool.pool import DEBUG_ENV, debug_from_env
 
 # what each case's text must name (besides the ranks)
 EXPECT = {
     "slots-order": ["decode(layer=0)", "`slots`: [0, 1, 2] on rank", "[2, 1, 0] on rank"],
     "batch": ["decode(layer=0)", "`rows`: (3,) on rank", "(2,) on rank", "`slots`"],
-    "force-flush": ["`force_flush`: [0, 0, 0] on rank", "[0, 1, 0] on rank"],
+    "force-flush": ["`force_flush_rows`: [] on rank", "[1] on rank"],
     "calls": ["the ranks are in different calls", "ReplaySSMStatePool.advance on rank",
               "ReplaySSMStatePool.decode(layer=1) on rank"],
     "num-accepted": ["ReplaySSMStatePool.commit", "`num_accepted`: [1, 2, 0] on rank", "[0, 2, 1] on rank"],
-    "parents": ["verify(layer=0)", "`parents`: [[-1, 0], [-1, 0], [-1, 0]] on rank",
+    "parents": ["verify(layer=0)", "`parents`: 'chain' on rank",
                 "[[-1, 0], [-1, -1], [-1, 0]] on rank"],
     "alloc": ["ReplaySSMStatePool.alloc", "`ids`: [3] on rank", "[4] on rank"],
     "free": ["ReplaySSMStatePool.free", "`slots`: [1] on rank", "[2] on rank"],
     "fork": ["ReplaySSMStatePool.fork", "`dst`: [6] on rank", "[5] on rank"],
     "load-state": ["ReplaySSMStatePool.load_state", "`slots`: [0, 1] on rank", "[1, 2] on rank"],
-    "layer-prefill": ["TPKimiDeltaAttention.prefill(layer=0)", "`cu_seqlens`: [0, 2, 5] on rank", "[0, 1, 5] on rank"],
+    "layer-prefill": ["TPKimiDeltaAttention(layer=0)", "`cu_seqlens`: [0, 2, 5] on rank", "[0, 1, 5] on rank"],
+    "commit-shape": ["ReplaySSMStatePool.commit", "`slots`: [0, 1, 2] on rank", "[0, 1] on rank",
+                     "`num_accepted`: [1, 2, 0] on rank", "[1, 2] on rank"],
+    "placement-vs-call": ["the ranks of the group are in different collective checks",
+                          "placement check during ReplaySSMStatePool.verify_placement()",
+                          "ReplaySSMStatePool.advance (debug check)"],
 }
 
 
@@ -39,14 +45,18 @@ def test_ranks_that_disagree_all_raise_the_same_error(tmp_path, world: int, odd:
         got = [r[case] for r in results]
         kinds, texts, unchanged, met = zip(*got)
         assert all(met), (case, met)  # the ranks stayed together: the next collective met on every rank
-        if case == "same":
+        if case in ("same", "same-meaning"):  # (same-meaning: padding -1/-2, force_flush None/zeros, a chain None or
+            # spelled out, a list or an int64 tensor of ids)
             assert kinds == (None,) * world and not any(unchanged), (case, texts)  # it decoded
             continue
         assert all(unchanged), (case, unchanged)  # nothing written (the case's call raised before any write)
         assert kinds == ("RankMismatchError",) * world, (case, kinds, texts)
         assert all(t == texts[0] for t in texts), (case, texts)  # one text on every rank
         text = texts[0]
-        assert f"on rank {odd}" in text and f"on rank{'s' if world > 2 else ''} {others}" in text, (case, text)
+        if case == "placement-vs-call":
+            assert f"rank {odd}: placement check" in text, text
+        else:
+            assert f"on rank {odd}" in text and f"on rank{'s' if world > 2 else ''} {others}" in text, (case, text)
         for part in EXPECT[case]:
             assert part in text, (case, part, text)
 
@@ -69,22 +79,25 @@ def test_a_pool_without_a_group_checks_nothing_across_ranks() -> None:
 
 
 def test_the_text_names_each_differing_argument_by_value_and_ranks() -> None:
-    got = [("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 1]", "path": "None"}),
-           ("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 0]", "path": "None"}),
-           ("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 1]", "path": "None"})]
-    text = _mismatch_text(got)
+    got = [("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 1]", "path": "None"}, 0),
+           ("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 0]", "path": "None"}, 1),
+           ("ReplaySSMStatePool.commit", {"slots": "[0, 1]", "num_accepted": "[1, 1]", "path": "None"}, 2)]
+    text = mismatch_text(got)
     assert text.startswith("ReplaySSMStatePool.commit: the ranks passed different arguments: `num_accepted`: "
                            "[1, 1] on ranks 0, 2; [1, 0] on rank 1 (debug check;"), text
     assert "`slots`" not in text and "`path`" not in text
-    long = [("c", {"slots": str(list(range(100)))}), ("c", {"slots": str(list(range(1, 101)))})]
-    text = _mismatch_text(long)  # long values shortened to 120 characters each
-    assert "29, 30,  ... on rank 0; [1, 2," in text and "31, ... on rank 1 (debug check" in text, text
-    assert len(text) < 2 * 120 + 250, len(text)
+    ids = list(range(40))
+    swapped = ids[:38] + [39, 38]  # a difference past the first 120 characters
+    text = mismatch_text([("c", {"slots": str(ids)}, 0), ("c", {"slots": str(swapped)}, 1)])
+    assert "37, 38, 39] on rank 0; ..." in text and "37, 39, 38] on rank 1" in text, text
+    assert len(text) < 2 * 125 + 250, len(text)
+    sub = mismatch_text([("c", {"n": "1"}, 2), ("c", {"n": "2"}, 3)])  # a subgroup: its ranks and their global ranks
+    assert "on rank 0; 2 on rank 1 (debug check; ranks of the pool's group, whose global ranks are 2, 3;" in sub, sub
 
 
 @pytest.mark.parametrize("value,want", [
     (torch.tensor([3, 1], dtype=torch.int32), "[3, 1]"),
-    (torch.tensor([3, 1]), "[3, 1] (torch.int64)"),
+    (torch.tensor([3, 1]), "[3, 1]"),  # integer tensors by value, whatever their dtype
     (torch.zeros(2, 3), "torch.float32 (2, 3)"),  # activations: each rank's own values
     (torch.zeros(2, dtype=torch.int32, device="meta"), "torch.int32 (2,)"),
     (None, "None"),
@@ -96,3 +109,49 @@ def test_how_an_argument_is_compared(value: object, want: str) -> None:
 
 def test_rank_mismatch_error_is_a_value_error() -> None:
     assert issubclass(RankMismatchError, ValueError)
+
+
+def test_arguments_are_compared_by_meaning() -> None:
+    assert slot_ids(torch.tensor([3, -2, 1])) == slot_ids([3, -1, 1]) == [3, -1, 1]  # any negative id: padding
+    assert slot_ids(torch.tensor([3, 1], dtype=torch.int64)) == slot_ids((3, 1)) == [3, 1]
+    assert flagged_rows(None) == flagged_rows(torch.zeros(3, dtype=torch.int32)) == []
+    assert flagged_rows(torch.tensor([0, 1, 0], dtype=torch.int32)) == [1]
+    assert chain_or_value(None) == chain_or_value(torch.tensor([[-1, 0, 1]] * 2)) == "chain"
+    assert chain_or_value(torch.tensor([[0, 1, 2]] * 2), path=True) == "chain"  # commit's path of a chain
+    assert chain_or_value(torch.tensor([[0, 1, 2]] * 2)) != "chain"  # (as parents: not a chain)
+    tree = torch.tensor([[-1, -1, 0]])
+    assert chain_or_value(tree) is tree
+    assert slot_ids("x") == "x"  # anything else is left for the call's own checks
+
+
+@pytest.mark.parametrize("value,want", [("1", True), ("true", True), ("Yes", True), ("on", True), ("0", False),
+                                        ("false", False), ("no", False), ("OFF", False), ("", False), (None, False)])
+def test_debug_env_values(monkeypatch: pytest.MonkeyPatch, value: str | None, want: bool) -> None:
+    if value is None:
+        monkeypatch.delenv(DEBUG_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DEBUG_ENV, value)
+    assert debug_from_env("here") is want
+
+
+def test_a_debug_env_value_not_understood_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEBUG_ENV, "enabled")
+    with pytest.raises(ValueError, match=r"ReplaySSMStatePool: TP_REPLAYSSM_DEBUG must be one of 1, true.*'enabled'"):
+        ReplaySSMStatePool(KDAHeads(2, 4, 16, 16), num_layers=1, num_slots=4, ring_length=4, device="cpu")
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_late_past_the_timeout_fails_every_rank_then_they_go_on(tmp_path) -> None:  # noqa: ANN001
+    """A rank that reaches a debug-mode call after the check's timeout: every rank raises PlacementError, which
+    states the timeout; the check group is made again, so the ranks' next calls meet."""
+    results = h.run_ranks(late_rank, 2, tmp_path, 1)
+    for kind, text, met in results:
+        assert kind == "PlacementError" and "the check's timeout is 3 s" in text, (kind, text)
+        assert met, results
+
+
+@pytest.mark.timeout(120)
+def test_debug_mode_on_some_ranks_only_is_refused_at_construction(tmp_path) -> None:  # noqa: ANN001
+    results = h.run_ranks(debug_on_one_rank, 2, tmp_path, 1)
+    assert results[0] == results[1] and results[0].startswith("PlacementError"), results
+    assert "debug=True (rank 0: False)" in results[0], results[0]

@@ -293,7 +293,7 @@ def test_serve_rank_mismatch_fails_at_its_step_in_debug_mode(tmp_path: Path) -> 
     assert debug.returncode != 0, out[-4000:]
     lines = _results(out, 2)
     assert all(len(r) == 1 for r in lines) and lines[0] == lines[1], lines
-    assert lines[0][0].startswith("RESULT: FAIL RankMismatchError: ReplaySSMStatePool.decode(layer=0): the ranks "
+    assert lines[0][0].startswith("RESULT: FAIL RankMismatchError: TPKimiDeltaAttention(layer=0): the ranks "
                                   "passed different arguments: `slots`: "), lines
     assert "serve summary" not in out and "RESULT: OK" not in out
     plain = _torchrun(tmp_path / "plain", 2, *args)

@@ -189,6 +189,31 @@ def test_read_state_between_verify_and_commit_and_reject_all() -> None:
     assert int(pool.cursors[slots[0]]) == 0
 
 
+def test_an_open_step_is_dropped_by_verifying_the_rest_and_committing_nothing() -> None:
+    """An engine's error path in the middle of a step (layer 0 verified and folded, layer 1 not): verifying the
+    remaining layers with any inputs and committing ``num_accepted`` all 0 leaves every row's committed state."""
+    pool = build(KDAHeads(1, 2, K, V), L=4)
+    gen = torch.Generator().manual_seed(6)
+    model = make_model(pool, gen)
+    ids = pool.alloc(2)
+    slots = ids.tolist()
+    for _ in range(2):
+        decode_step(pool, model, [random_decode_inputs(2, 1, 2, K, V, dtype=torch.float32, generator=gen)
+                                  for _ in range(2)], ids)
+    before = read_states(pool, slots)
+    drafts = random_drafts(pool, 2, 3, gen)
+    p = model.params[0]
+    pool.verify(0, drafts.mixed[0], drafts.a[0], drafts.b[0], p.A_log, p.dt_bias, ids)  # then the step fails
+    assert pool.spec_folded[0].sum() > 0 and pool.spec_folded[1].sum() == 0
+    with pytest.raises(ValueError, match=r"layers \[1\] of 2 were not verified"):
+        pool.commit(ids, torch.zeros(2, dtype=torch.int32))
+    p = model.params[1]
+    zeros = [torch.zeros_like(t[1]) for t in (drafts.mixed, drafts.a, drafts.b)]
+    pool.verify(1, *zeros, p.A_log, p.dt_bias, ids)
+    pool.commit(ids, torch.zeros(2, dtype=torch.int32))
+    assert rel(read_states(pool, slots), before) < 1e-6
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on CPU pools: a machine without CUDA (a group's pool "
                     "lives on the rank's current device)")
 def test_tp_equivalence_on_gloo(tmp_path) -> None:  # noqa: ANN001 - pytest fixture

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..pool.checks import same_call_on_every_rank
+from ..pool.agreement import (chain_or_value, flagged_rows, int_values, leading_dims, same_call_on_every_rank,
+                              slot_ids)
 from ..pool.slots import check_ids, refuse_bad_ids
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
@@ -177,6 +178,12 @@ class TPKimiDeltaAttention(torch.nn.Module):
 
         Returns ``[.., hidden_size]`` (``hidden``'s shape) in the layer's dtype: summed over ``group``, or this
         rank's partial sum without one."""
+        if self.pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+            same_call_on_every_rank(
+                self.pool, f"TPKimiDeltaAttention(layer={self.layer_idx})",
+                call="verify" if verify else "decode" if cu_seqlens is None else "prefill",
+                rows=leading_dims(hidden), slots=slot_ids(slots), cu_seqlens=int_values(cu_seqlens),
+                parents=chain_or_value(parents), advance=bool(advance), force_flush_rows=flagged_rows(force_flush))
         if verify:
             for name, given in (("cu_seqlens", cu_seqlens is not None), ("advance", bool(advance)),
                                 ("force_flush", force_flush is not None)):
@@ -254,8 +261,6 @@ class TPKimiDeltaAttention(torch.nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         cu = _host_cu_seqlens(cu_seqlens, x.shape[0], slots.shape[0], where)
         pool, layer = self.pool, self.layer_idx
-        if pool.debug:  # the ranks' chunk boundaries too (the pool's calls below compare only the slots)
-            same_call_on_every_rank(pool, where, slots=slots, cu_seqlens=cu, advance=bool(advance))
         pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
         refuse_bad_ids(pool, [int(i) for i in slots.tolist()], where, unique=True)
         states = pool.read_state(layer, slots)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pool.checks import same_call_on_every_rank
+from ..pool.agreement import int_values, same_call_on_every_rank
 from ..pool.slots import check_ids, refuse_bad_ids
 from .kda_torch import chunk_kda_torch, kda_activations
 
@@ -97,10 +97,10 @@ def end_prefill(pool: ReplaySSMStatePool, slots: torch.Tensor) -> None:
     step's last layer calls it. Ids out of range, not allocated, given twice or in an open verify step raise
     :class:`~tp_replayssm.errors.SlotError` before anything is written (a host check: a prefill syncs anyway)."""
     where = "end_prefill"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, slots=int_values(slots))
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     ids = [int(i) for i in slots.tolist()]
-    if pool.debug:
-        same_call_on_every_rank(pool, where, slots=ids)
     refuse_bad_ids(pool, ids, where, unique=True)
     if ids:
         pool.cursors.index_fill_(0, slots.long(), 0)

@@ -29,13 +29,14 @@ from ..kernels.launch import run_decode
 from ..kernels.plan import DecodePlan, plan_decode, problem_of
 from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
 from ..kernels.guard import SlotGuard, record_bad_rows
+from .agreement import leading_dims, same_call_on_every_rank, slot_ids
 from .slots import check_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["ACTIVATIONS", "check_conv_args", "conv_before_decode", "conv_reference", "conv_update", "conv_update_torch",
-           "decode_with_conv", "row_verdict"]
+__all__ = ["ACTIVATIONS", "check_conv_args", "checked_conv_update", "conv_before_decode", "conv_reference",
+           "conv_update", "conv_update_torch", "decode_with_conv", "row_verdict"]
 
 ACTIVATIONS = ("silu", None)
 
@@ -101,6 +102,24 @@ def check_conv_args(pool: ReplaySSMStatePool, x: object, weight: object, bias: o
     for name, t in ((x_name, x), (w_name, weight), (b_name, bias)):
         if t is not None and t.device != pool.device:
             raise ValueError(f"{where}: `{name}` must be on {pool.device}; got {t.device}")
+
+
+def checked_conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor,
+                        slots: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+                        plan: ConvPlan | None) -> torch.Tensor:
+    """:meth:`ReplaySSMStatePool.conv_update`: debug mode's comparison of the ranks' calls, the arguments, the slot
+    ids (debug mode: by value), then :func:`conv_update`."""
+    where = f"ReplaySSMStatePool.conv_update(layer={layer})"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, rows=leading_dims(x), slots=slot_ids(slots), activation=activation,
+                                bias=bias is not None)
+    pool._check_layer(layer, "conv_update")
+    check_conv_args(pool, x, weight, bias, activation, where)
+    check_ids(slots, where, pool.device, (torch.int32,))  # (before the debug check reads the ids)
+    if pool.debug:
+        pool._debug_check(slots, where, allow_padding=True, unique=True)
+    return conv_update(pool, layer, x, weight, slots, bias, activation, pool.guard("conv_update", layer), where,
+                       plan=plan)
 
 
 def conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, weight: torch.Tensor, slots: torch.Tensor,

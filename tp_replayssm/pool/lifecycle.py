@@ -36,7 +36,7 @@ from ..kernels.guard import FREE_CURSOR, SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
 from ..tp.devices import resolve_device
 from ..validation import describe
-from .checks import same_call_on_every_rank
+from .agreement import int_values, same_call_on_every_rank, slot_ids
 from .shard import StateShard
 from .slots import host_ids, raise_slot_error, refuse_bad_ids
 
@@ -65,9 +65,9 @@ def alloc(pool: ReplaySSMStatePool, n: int) -> torch.Tensor:
 def free(pool: ReplaySSMStatePool, slots: object) -> None:
     """:meth:`ReplaySSMStatePool.free`."""
     where = "ReplaySSMStatePool.free"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, slots=int_values([slots] if isinstance(slots, int) else slots))
     ids = host_ids(slots, where)
-    if pool.debug:
-        same_call_on_every_rank(pool, where, slots=ids)
     pool._slots.give_back(ids, where)
     if ids:  # the kernels now refuse rows that name these slots
         pool.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), FREE_CURSOR)
@@ -104,6 +104,8 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
     """:meth:`ReplaySSMStatePool.fork`: argument checks (debug mode: the pairs on the host), then one launch of the
     fork kernel where kernels run, else :func:`fork_torch` (module docstring)."""
     where = "ReplaySSMStatePool.fork"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, src=int_values(src), dst=slot_ids(dst))
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != pool.device:
             raise ValueError(f"{where}: `{name}` must be a 1-D torch.int32 tensor on {pool.device}; got {describe(t)}")
@@ -111,7 +113,6 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
         raise ValueError(f"{where}: `src` and `dst` must have the same length; got {describe(src)} and "
                          f"{describe(dst)}")
     if pool.debug:
-        same_call_on_every_rank(pool, where, src=src, dst=dst)
         _debug_check_pairs(pool, src, dst, where)
     if src.shape[0] == 0:
         return
@@ -206,10 +207,10 @@ def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device |
                  non_blocking: bool) -> StateShard:
     """:meth:`ReplaySSMStatePool.export_state` (module docstring)."""
     where = "ReplaySSMStatePool.export_state"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, slots=int_values(slots))
     # a CUDA device on a machine without CUDA (or past the visible ones) is a ValueError that says so
     target = pool.device if device is None else resolve_device(device, where)
-    if pool.debug:
-        same_call_on_every_rank(pool, where, slots=slots)
     ids = _host_slots(pool, slots, where, unique=False)
     n, NL, dev = len(ids), pool.num_layers, pool.device
     loc, shard = pool.local_heads, pool.shard
@@ -253,6 +254,10 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
     where = "ReplaySSMStatePool.import_state"
     if isinstance(shards, StateShard):
         shards = [shards]
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        first = next(iter(shards), None) if isinstance(shards, (list, tuple)) else None
+        same_call_on_every_rank(pool, where, slots=int_values(slots),
+                                source_slots=list(first.source_slots) if isinstance(first, StateShard) else None)
     if not isinstance(shards, Iterable) or isinstance(shards, Mapping):
         raise ValueError(f"{where}: `shards` must be a StateShard or an iterable of StateShard (a dict's: pass its "
                          f"values()); got {type(shards).__name__}")
@@ -262,8 +267,6 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
     for i, s in enumerate(shards):
         if not isinstance(s, StateShard):
             raise ValueError(f"{where}: `shards[{i}]` must be a StateShard; got {type(s).__name__}")
-    if pool.debug:
-        same_call_on_every_rank(pool, where, slots=slots, source_slots=list(shards[0].source_slots))
     ids = _host_slots(pool, slots, where, unique=True)
     for i, s in enumerate(shards):
         _check_shard(pool, s, i, len(ids), where)

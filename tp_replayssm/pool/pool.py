@@ -49,7 +49,7 @@ from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
-from .slots import SlotTable, check_ids, debug_check, is_int
+from .slots import SlotTable, debug_check, is_int
 
 if TYPE_CHECKING:
     from ..kernels.conv_plan import ConvPlan
@@ -61,6 +61,18 @@ __all__ = ["LayerViews", "ReplaySSMStatePool"]
 logger = logging.getLogger(__name__)
 
 DEBUG_ENV = "TP_REPLAYSSM_DEBUG"
+_DEBUG_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+                 "off": False, "": False}
+
+
+def debug_from_env(where: str) -> bool:
+    """Debug mode as ``TP_REPLAYSSM_DEBUG`` sets it (1/true/yes/on, 0/false/no/off or unset); another value raises
+    ``ValueError`` rather than leave debug mode silently off."""
+    value = os.environ.get(DEBUG_ENV, "")
+    if value.strip().lower() not in _DEBUG_VALUES:
+        raise ValueError(f"{where}: {DEBUG_ENV} must be one of 1, true, yes, on, 0, false, no, off (or unset); got "
+                         f"{value!r}")
+    return _DEBUG_VALUES[value.strip().lower()]
 
 
 class LayerViews(NamedTuple):
@@ -118,7 +130,7 @@ class ReplaySSMStatePool:
         self.conv_kernel_size, self.conv_dtype = conv_kernel_size, conv_dtype
         self.conv_channels = self.local_heads.qkv_width  # D: the conv runs over mixed_qkv's columns
         self.device = resolve_device(device, where)
-        self.debug = os.environ.get(DEBUG_ENV, "0") == "1" if debug is None else bool(debug)
+        self.debug = debug_from_env(where) if debug is None else bool(debug)
 
         NL, S, L = num_layers, num_slots, ring_length
         HV, H, K, V = (self.local_heads.num_v_heads, self.local_heads.num_q_heads, self.local_heads.key_dim,
@@ -148,7 +160,8 @@ class ReplaySSMStatePool:
             num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
             value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
             ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout,
-            conv_kernel_size=conv_kernel_size, conv_dtype=str(conv_dtype) if conv_kernel_size else "")
+            conv_kernel_size=conv_kernel_size, conv_dtype=str(conv_dtype) if conv_kernel_size else "",
+            debug=self.debug)
         self._check_placement(self._pool_tensors(), f"{where}.__init__")
         logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
                     tp_rank, tp_size, self.device, H, HV, K, V, L, ring_layout, self.memory.describe())
@@ -279,16 +292,7 @@ class ReplaySSMStatePool:
         returns ``y`` of ``x``'s shape and dtype (:mod:`tp_replayssm.pool.conv`). Padding rows (slot < 0) get
         zeros and change nothing; so do bad rows (recorded for :meth:`check`). No host sync. ``plan``: a kernel
         launch plan instead of the library's (:func:`tp_replayssm.kernels.conv.plan_conv`; benchmarks, tests)."""
-        where = f"ReplaySSMStatePool.conv_update(layer={layer})"
-        self._check_layer(layer, "conv_update")
-        conv.check_conv_args(self, x, weight, bias, activation, where)
-        check_ids(slots, where, self.device, (torch.int32,))  # (before the debug check reads the ids)
-        if self.debug:
-            checks.same_call_on_every_rank(self, where, rows=checks.leading_dims(x), slots=slots,
-                                           activation=activation, bias=bias is not None)
-            self._debug_check(slots, where, allow_padding=True, unique=True)
-        return conv.conv_update(self, layer, x, weight, slots, bias, activation, self.guard("conv_update", layer),
-                                where, plan=plan)
+        return conv.checked_conv_update(self, layer, x, weight, slots, bias, activation, plan)
 
     # ---- the decode step ------------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ from ..kernels.verify_launch import run_verify
 from ..reference_spec import chain_parents, parents_valid, path_valid, tree_conv
 from ..spec_validation import VerifyCall, validate_commit, validate_verify
 from . import conv
-from .checks import leading_dims, same_call_on_every_rank
+from .agreement import chain_or_value, int_values, leading_dims, same_call_on_every_rank, slot_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -78,6 +78,10 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
            plan: object | None = None) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.verify`."""
     where = f"ReplaySSMStatePool.verify(layer={layer})"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slot_ids(slots),
+                                parents=chain_or_value(parents), conv=conv_weight is not None, scale=scale,
+                                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     pool._check_layer(layer, "verify")
     lh = pool.local_heads
     dims = validate_verify(mixed_qkv, a, b, A_log, dt_bias, slots, parents, out, scale, lower_bound,
@@ -89,10 +93,6 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
         conv.check_conv_args(pool, mixed_qkv, conv_weight, conv_bias, "silu", where, conv.DECODE_CONV_NAMES)
     elif conv_bias is not None:
         raise ValueError(f"{where}: `conv_bias` given without `conv_weight`")
-    if pool.debug:
-        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slots, parents=parents,
-                                conv=conv_weight is not None, scale=scale, lower_bound=lower_bound,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     step = getattr(pool, "_spec_step", None)
     if step is not None and (step.batch, step.drafts, step.parents is None) != (B, T, parents is None):
         raise ValueError(f"{where}: every verify of a step must take the same rows and drafts: this step has B = "
@@ -172,12 +172,13 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
            path: torch.Tensor | None) -> None:
     """:meth:`ReplaySSMStatePool.commit`."""
     where = "ReplaySSMStatePool.commit"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, slots=slot_ids(slots), num_accepted=int_values(num_accepted),
+                                path=chain_or_value(path, path=True))
     step = getattr(pool, "_spec_step", None)
     if step is None:
         raise ValueError(f"{where}: no verify since the last commit (commit follows every layer's verify of a step)")
     validate_commit(slots, num_accepted, path, batch=step.batch, drafts=step.drafts, device=pool.device, where=where)
-    if pool.debug:
-        same_call_on_every_rank(pool, where, slots=slots, num_accepted=num_accepted, path=path)
     _same_as_step(step.slots, slots, "slots", where)  # (a verified row left out would keep a folded ring live)
     missing = sorted(set(range(pool.num_layers)) - step.layers)
     if missing:  # their rings hold no drafts: committing would move their cursors over stale entries

@@ -16,7 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from .checks import same_call_on_every_rank
+from .agreement import int_values, same_call_on_every_rank
 from .slots import check_ids, refuse_bad_ids
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                conv_states: torch.Tensor | None = None) -> None:
     """:meth:`ReplaySSMStatePool.load_state`."""
     where = "ReplaySSMStatePool.load_state"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots), conv_states=conv_states is not None)
     pool._check_layer(layer, "load_state")
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     n = slots.shape[0]
@@ -51,8 +53,6 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
                 or not conv_states.dtype.is_floating_point or conv_states.device != pool.device:
             raise ValueError(f"{where}: `conv_states` must be a floating tensor [n, D, W-1] = {[n, D, W1]} on "
                              f"{pool.device}; got {describe(conv_states)}")
-    if pool.debug:
-        same_call_on_every_rank(pool, where, layer=layer, slots=slots, conv_states=conv_states is not None)
     _check_slots(pool, slots, where, unique=True, write=True)
     idx = slots.long()
     views = pool.layer(layer)
@@ -66,6 +66,8 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
 def read_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.read_state`."""
     where = "ReplaySSMStatePool.read_state"
+    if pool.debug:
+        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots))
     pool._check_layer(layer, "read_state")
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     _check_slots(pool, slots, where, unique=False)
@@ -87,6 +89,8 @@ def _check_slots(pool: ReplaySSMStatePool, slots: torch.Tensor, where: str, *, u
 def read_conv_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.read_conv_state`."""
     where = "ReplaySSMStatePool.read_conv_state"
+    if pool.debug:
+        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots))
     pool._check_layer(layer, "read_conv_state")
     if pool.conv_state is None:
         raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")

@@ -15,7 +15,7 @@ from ..kernels.guard import FREE_CURSOR
 from ..tp.heads import KDAHeads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
 from . import conv
-from .checks import leading_dims, same_call_on_every_rank
+from .agreement import flagged_rows, leading_dims, same_call_on_every_rank, slot_ids
 from .slots import check_ids, is_int
 
 if TYPE_CHECKING:
@@ -34,11 +34,12 @@ def decode(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     """:meth:`ReplaySSMStatePool.decode`: placement (first call of each layer), slot ids, debug checks, then the
     decode launch, with the pool's conv before it (fused or in a launch of its own) when ``conv_weight`` is given."""
     where = f"ReplaySSMStatePool.decode(layer={layer})"
+    if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
+        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slot_ids(slots),
+                                force_flush_rows=flagged_rows(force_flush), advance=bool(advance),
+                                conv=conv_weight is not None, scale=scale, lower_bound=lower_bound,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     pool._check_layer(layer, "decode")
-    if pool.debug:  # (first: the first call of a layer runs a collective placement check next)
-        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slots, force_flush=force_flush,
-                                advance=bool(advance), conv=conv_weight is not None, scale=scale,
-                                lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     if out is None and isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() >= 1:
         out = torch.empty(mixed_qkv.shape[0], 1, pool.local_heads.num_v_heads, pool.local_heads.value_dim,
                           dtype=mixed_qkv.dtype, device=pool.device)
@@ -70,6 +71,8 @@ def decode(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
 def advance(pool: ReplaySSMStatePool, slots: torch.Tensor, force_flush: torch.Tensor | None) -> None:
     """:meth:`ReplaySSMStatePool.advance`: argument checks, then the cursor kernel (or its torch form)."""
     where = "ReplaySSMStatePool.advance"
+    if pool.debug:
+        same_call_on_every_rank(pool, where, slots=slot_ids(slots), force_flush_rows=flagged_rows(force_flush))
     check_ids(slots, where, pool.device, (torch.int32,))
     B = slots.shape[0]
     if force_flush is not None:
@@ -78,7 +81,6 @@ def advance(pool: ReplaySSMStatePool, slots: torch.Tensor, force_flush: torch.Te
             raise ValueError(f"{where}: `force_flush` must be None or an int32 tensor [B] = [{B}] on "
                              f"{pool.device}; got {describe(force_flush)}")
     if pool.debug:
-        same_call_on_every_rank(pool, where, slots=slots, force_flush=force_flush)
         pool._debug_check(slots, where, allow_padding=True, unique=False)
     cursor.advance(pool.cursors, slots, force_flush, pool.ring_length, pool.guard("advance"))
 

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import PlacementError
+from ..errors import PlacementError, RankMismatchError
 from .verdicts import (PoolFingerprint, RankReport, _local_report, cross_rank_problems, format_placement_error,
                        local_problems, text_digest)
 
@@ -72,8 +72,12 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = "TP_REPLAYSSM_PLACEMENT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
-_MAGIC = 0x7470_5253_0001  # "tpRS" + protocol version 1
-_ROW = 5  # magic, status, fingerprint digest, device digest, group rank
+_MAGIC = 0x7470_5253_0002  # "tpRS" + protocol version 2
+_ROW = 6  # magic, kind, three values of the kind, group rank: the first message of every exchange on a check group
+# what an exchange is, by the kind its first message carries: every exchange starts with the same fixed-shape
+# all-gather, so ranks in different exchanges (one in a placement check, one in a debug call's comparison) learn it
+# from that table and all raise, instead of pairing collectives of different sizes (gloo aborts on that)
+_PLACEMENT, _TEXTS, _AGREEMENT = 1, 2, 3
 
 
 _STATS: dict[str, float] = {"collective": 0, "local": 0, "failed": 0, "total_s": 0.0, "last_s": 0.0}
@@ -142,15 +146,12 @@ def _exchange(pg: Any, report: RankReport) -> list[RankReport] | None:
     world = dist.get_world_size(pg)
     fp_digest = report.fingerprint_digest
     dev_digest = text_digest(report.device_key) if report.device_key else 0
-    row = torch.tensor([_MAGIC, 1 if report.problems else 0, fp_digest, dev_digest, report.rank], dtype=torch.int64)
-    table = torch.empty(world, _ROW, dtype=torch.int64)
-    dist.all_gather(list(table.unbind(0)), row, group=pg)
-    rows = table.tolist()
-    cuda_devs = [r[3] for r in rows if r[3] != 0]
+    rows = _first_round(pg, _PLACEMENT, (1 if report.problems else 0, fp_digest, dev_digest),
+                        f"placement check during {report.context}")
+    cuda_devs = [r[4] for r in rows if r[4] != 0]
     ok = (
-        all(r[0] == _MAGIC for r in rows)
-        and not any(r[1] for r in rows)
-        and all(r[2] == rows[0][2] for r in rows)
+        not any(r[2] for r in rows)
+        and all(r[3] == rows[0][3] for r in rows)
         and len(set(cuda_devs)) == len(cuda_devs)
     )
     if ok:
@@ -158,6 +159,25 @@ def _exchange(pg: Any, report: RankReport) -> list[RankReport] | None:
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, report, group=pg)
     return gathered
+
+
+def _first_round(pg: Any, kind: int, values: tuple[int, int, int], context: str) -> list[list[int]]:
+    """The first message of an exchange of ``kind`` on check group ``pg``: every rank's ``[magic, kind, *values,
+    rank]``. Ranks in exchanges of different kinds (or protocol versions) all see that in the table and all raise
+    :class:`RankMismatchError` naming each rank's ``context`` (one more all-gather, of those texts)."""
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    row = torch.tensor([_MAGIC, kind, *values, rank], dtype=torch.int64)
+    table = torch.empty(world, _ROW, dtype=torch.int64)
+    dist.all_gather(list(table.unbind(0)), row, group=pg)
+    rows = table.tolist()
+    if all(r[0] == _MAGIC and r[1] == kind for r in rows):
+        return rows
+    contexts: list[Any] = [None] * world
+    dist.all_gather_object(contexts, context, group=pg)
+    raise RankMismatchError("the ranks of the group are in different collective checks: "
+                              + "; ".join(f"rank {r}: {c}" for r, c in enumerate(contexts))
+                              + " (every rank must make the same pool calls in the same order)")
+
 
 
 def collective_placement_check(
@@ -208,7 +228,8 @@ def gather_texts(group: Any, text: str | None, context: str) -> list[str | None]
     """Every rank's optional ``text`` (e.g. its ``SlotError``), in group rank order, over the check group: a flag per
     rank first, the texts only when some rank has one. Collective over ``group``; a peer that does not take part
     within the check timeout raises :class:`PlacementError` naming ``context``."""
-    texts = _gather_when(group, 0 if text is None else 1, text, context, any, f"Local result: {text or 'ok'}")
+    texts = _gather_when(group, _TEXTS, 0 if text is None else 1, text, context, any,
+                         f"Local result: {text or 'ok'}")
     return [None] * len(dist.get_process_group_ranks(group)) if texts is None else texts
 
 
@@ -217,28 +238,46 @@ def gather_if_different(group: Any, digest: int, payload: Any, context: str, loc
     one all-gather of the digests, the payloads only on a difference. Collective over ``group``; a peer that does
     not take part within the check timeout raises :class:`PlacementError` naming ``context`` and ending with
     ``local`` (what this rank brought)."""
-    return _gather_when(group, digest, payload, context, lambda words: len(set(words)) > 1, local)
+    return _gather_when(group, _AGREEMENT, digest, payload, context, lambda words: len(set(words)) > 1, local)
 
 
-def _gather_when(group: Any, word: int, payload: Any, context: str, wanted: Any, local: str) -> list[Any] | None:
-    """All-gather one int64 ``word`` per rank over the check group; when ``wanted(words)``, all-gather the ranks'
-    ``payload`` objects and return them (group rank order), else None."""
+def _gather_when(group: Any, kind: int, word: int, payload: Any, context: str, wanted: Any,
+                 local: str) -> list[Any] | None:
+    """An exchange of ``kind``: one int64 ``word`` per rank over the check group; when ``wanted(words)``, all-gather
+    the ranks' ``payload`` objects and return them (group rank order), else None."""
     with _no_fake_mode():
         pg = _check_group(group)
         world = dist.get_world_size(pg)
         try:
-            words = torch.zeros(world, dtype=torch.int64)
-            dist.all_gather(list(words.unbind(0)), torch.tensor(word, dtype=torch.int64), group=pg)
-            if not wanted(words.tolist()):
+            rows = _first_round(pg, kind, (word, 0, 0), context)
+            if not wanted([r[2] for r in rows]):
                 return None
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, payload, group=pg)
+        except RankMismatchError:  # every rank raises it alike (the exchange itself worked)
+            raise
         except Exception as exc:  # noqa: BLE001 - a peer died or never called the exchange
-            raise PlacementError(
-                f"{context}: rank {dist.get_rank(group)} could not exchange its check's result with its group within "
-                f"{check_timeout_s():.0f} s ({type(exc).__name__}: {exc}); another rank probably failed or is not "
-                f"running the same call. {local}") from exc
+            raise _exchange_failed(group, context, exc, local) from exc
     return gathered
+
+
+def _exchange_failed(group: Any, context: str, exc: Exception, local: str) -> PlacementError:
+    """The error of an exchange that did not complete (a peer died, never called, or was late past the timeout).
+    The check group is dropped: gloo closes a group's connections on a timeout, so the next check creates a new one
+    (collectively: every rank of the group must reach it)."""
+    _forget_check_group(group)
+    return PlacementError(
+        f"{context}: rank {dist.get_rank(group)} could not exchange its check's result with its group (the check's "
+        f"timeout is {check_timeout_s():.0f} s; {type(exc).__name__}: {exc}); another rank probably failed, is "
+        f"late, or is not running the same call. {local}")
+
+
+def _forget_check_group(group: Any) -> None:
+    hit = _BY_GROUP.pop(id(group), None)
+    if hit is not None:
+        for key, pg in list(_CHECK_GROUPS.items()):
+            if pg is hit[1]:
+                del _CHECK_GROUPS[key]
 
 
 def _collective(
@@ -264,13 +303,11 @@ def _collective(
     )
     try:
         gathered = _exchange(_check_group(group), report)
+    except RankMismatchError:  # every rank raises it alike (the exchange itself worked)
+        raise
     except Exception as exc:  # noqa: BLE001 - a peer died or never called the check
-        raise PlacementError(
-            f"placement check during {context}: rank {rank} could not exchange verdicts with its "
-            f"group within {check_timeout_s():.0f} s ({type(exc).__name__}: {exc}); another rank "
-            f"probably failed or is not running the same check. Local verdict: "
-            f"{'; '.join(report.problems) or 'ok'}"
-        ) from exc
+        raise _exchange_failed(group, f"placement check during {context}", exc,
+                               f"Local verdict: {'; '.join(report.problems) or 'ok'}") from exc
     if gathered is None:
         return None
     msg = format_placement_error(gathered, size)
