@@ -168,3 +168,55 @@ def debug_on_one_rank(rank: int, world: int, odd: int) -> str:
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return "built"
+
+
+def calls_compared(rank: int, world: int) -> list[str]:
+    """Every pool call that takes slots, and the TP layer's, once each with the same arguments on every rank in
+    debug mode; the calls whose comparison ran (the contexts of the exchanges, in order)."""
+    import torch.distributed as dist
+
+    from _layer_helpers import random_weights
+
+    from tp_replayssm.layers import KDALayerConfig, TPKimiDeltaAttention, end_prefill
+    from tp_replayssm.tp import placement
+
+    seen: list[str] = []
+    exchange = placement.gather_if_different
+
+    def recording(group: Any, digest: int, payload: Any, context: str, local: str) -> Any:
+        seen.append(context.removesuffix(" (debug check)"))
+        return exchange(group, digest, payload, context, local)
+
+    placement.gather_if_different = recording
+    try:
+        pool = ReplaySSMStatePool(KDAHeads(2, 4, K, V), num_layers=1, num_slots=8, ring_length=4, conv_kernel_size=W,
+                                  group=dist.group.WORLD, device="cpu", debug=True)
+        loc = pool.local_heads
+        params = random_head_params(loc.num_v_heads, K, generator=torch.Generator().manual_seed(1))
+        conv_w = torch.randn(pool.conv_channels, W, generator=torch.Generator().manual_seed(2))
+        slots = pool.alloc(2)
+        x = random_decode_inputs(2, loc.num_q_heads, loc.num_v_heads, K, V, dtype=torch.float32,
+                                 generator=torch.Generator().manual_seed(3))
+        pool.conv_update(0, x.mixed_qkv, conv_w, slots)
+        pool.decode(0, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, slots, conv_weight=conv_w)
+        pool.advance(slots)
+        x2 = random_decode_inputs(2 * T, loc.num_q_heads, loc.num_v_heads, K, V, dtype=torch.float32,
+                                  generator=torch.Generator().manual_seed(4))
+        pool.verify(0, x2.mixed_qkv.view(2, T, -1), x2.a.view(2, T, -1), x2.b.view(2, T, -1), params.A_log,
+                    params.dt_bias, slots, conv_weight=conv_w)
+        pool.commit(slots, torch.ones(2, dtype=torch.int32))
+        pool.load_state(0, slots, pool.read_state(0, slots))
+        pool.read_conv_state(0, slots)
+        pool.fork(slots[:1], pool.alloc(1))
+        shard = pool.export_state(slots)
+        pool.free(slots.tolist())
+        pool.import_state(pool.alloc(2), shard)
+        config = KDALayerConfig(32, 2, 4, K, V, 16, conv_size=W)
+        layer = TPKimiDeltaAttention.from_state_dict(random_weights(config, 2), config, pool=pool, layer_idx=0,
+                                                     group=dist.group.WORLD)
+        ids = pool.allocated_slots()[:2]
+        layer(torch.randn(2, 32, generator=torch.Generator().manual_seed(5)), torch.tensor(ids, dtype=torch.int32))
+        end_prefill(pool, torch.tensor(ids, dtype=torch.int32))
+    finally:
+        placement.gather_if_different = exchange
+    return seen

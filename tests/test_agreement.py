@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import _dist_helpers as h
-from _agreement_workers import CASES, debug_on_one_rank, late_rank, mismatch_cases
+from _agreement_workers import CASES, calls_compared, debug_on_one_rank, late_rank, mismatch_cases
 from tp_replayssm import KDAHeads, RankMismatchError, ReplaySSMStatePool
 from tp_replayssm.pool.agreement import _value_text, chain_or_value, flagged_rows, mismatch_text, slot_ids
 from tp_replayssm.pool.pool import DEBUG_ENV, debug_from_env
@@ -155,3 +155,16 @@ def test_debug_mode_on_some_ranks_only_is_refused_at_construction(tmp_path) -> N
     results = h.run_ranks(debug_on_one_rank, 2, tmp_path, 1)
     assert results[0] == results[1] and results[0].startswith("PlacementError"), results
     assert "debug=True (rank 0: False)" in results[0], results[0]
+
+
+@pytest.mark.timeout(120)
+def test_every_call_that_takes_slots_compares_first(tmp_path) -> None:  # noqa: ANN001
+    """Each pool call that takes slots, and the TP layer's, runs the comparison in debug mode (a call added without
+    it fails here); the ranks agree, so nothing is raised."""
+    seen = h.run_ranks(calls_compared, 2, tmp_path)
+    assert seen[0] == seen[1], seen
+    want = ["alloc", "conv_update(layer=0)", "decode(layer=0)", "advance", "verify(layer=0)", "commit",
+            "read_state", "load_state", "read_conv_state", "fork", "export_state", "free", "import_state"]
+    calls = {c.removeprefix("ReplaySSMStatePool.") for c in seen[0]}
+    assert set(want) <= calls, sorted(set(want) - calls)
+    assert "TPKimiDeltaAttention(layer=0)" in calls and "end_prefill" in calls, calls
