@@ -6,6 +6,26 @@ free: ``bad_slot_cases(S)`` maps a case name to (the slots of one call, the rows
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def assert_reported(pool: Any, bad: dict[int, int], *parts: str) -> None:
+    """The pool's next ``check()`` reports ``bad`` (row -> slot; nothing when empty) in a SlotError whose text holds
+    ``parts`` and each ``row r slot s``, then the record is clear."""
+    import pytest
+
+    from tp_replayssm import SlotError
+
+    if bad:
+        with pytest.raises(SlotError) as info:
+            pool.check()
+        msg = str(info.value)
+        for part in parts:
+            assert part in msg, (part, msg)
+        for row, slot in bad.items():
+            assert f"row {row} slot {slot}" in msg, msg
+    pool.check()  # clear
+
 
 def bad_slot_cases(S: int) -> dict[str, tuple[list[int], list[int]]]:
     return {

@@ -11,6 +11,7 @@ import torch
 
 from _lifecycle_helpers import (DEV, H, HV, K, L, LAYOUTS, NL, S, TENSORS, V, Driver, assert_same, assert_slots_equal,
                                 bits, busy_pool, ids, snapshot)
+from _slot_cases import assert_reported
 from tp_replayssm import SlotError
 from tp_replayssm.testing import random_decode_inputs
 
@@ -117,16 +118,7 @@ def test_bad_fork_pairs_are_refused_recorded_and_change_nothing(layout: str, cas
             else:
                 want[:, d] = old[:, s]
         assert torch.equal(bits(getattr(pool, name)), bits(want)), f"{name}: a refused pair wrote"
-    if not bad:
-        pool.check()
-        return
-    with pytest.raises(SlotError) as info:
-        pool.check()
-    msg = str(info.value)
-    assert msg.startswith("ReplaySSMStatePool.fork:") and f"{len(bad)} row(s)" in msg, msg
-    for row, slot in bad.items():
-        assert f"row {row} slot {slot}" in msg, msg
-    pool.check()  # cleared
+    assert_reported(pool, bad, "ReplaySSMStatePool.fork:", f"{len(bad)} row(s)")
 
 
 def test_fork_debug_mode_raises_at_the_call_and_writes_nothing() -> None:
