@@ -8,11 +8,14 @@ each layer and from ``verify_placement()``. Protocol, identical on every rank of
    (``tp_rank`` == rank in group, ``tp_size`` == group size). The whole local check is wrapped in
    ``try/except``: a rank whose check itself throws reports the exception as its problem instead of
    raising before the exchange (a rank raising early would leave its peers waiting in a collective).
-2. **One small fixed-shape collective on the success path.** Each rank contributes an ``int64[5]``
-   row (protocol magic, status, digest of the fingerprint without ``tp_rank``, digest of its
-   ``(host, CUDA device)``, group rank) to one ``all_gather``. From the gathered ``[world, 5]`` table
-   every rank decides *the same thing*: all statuses ok, all fingerprint digests equal, no two CUDA
-   ranks with the same device digest -> done.
+2. **One small fixed-shape collective on the success path.** Each rank contributes an ``int64[6]``
+   row (protocol magic, the exchange's kind, status, digest of the fingerprint without ``tp_rank``,
+   digest of its ``(host, CUDA device)``, group rank) to one ``all_gather``. From the gathered
+   ``[world, 6]`` table every rank decides *the same thing*: all statuses ok, all fingerprint digests
+   equal, no two CUDA ranks with the same device digest -> done. Every exchange on the check group
+   (this one, :func:`gather_texts`, :func:`gather_if_different`) starts with such a row naming its
+   kind: ranks in different exchanges all see it and all raise ``RankMismatchError`` naming each
+   rank's check, where collectives of different sizes would make gloo abort.
 3. **Only on failure, a second exchange of the texts** (``all_gather_object`` of a
    :class:`RankReport` per rank: host, device, fingerprint, local problems). Every rank then formats
    the message with :func:`format_placement_error` from the same gathered list, so every rank raises
@@ -29,9 +32,10 @@ outside a TP subgroup need not take part), never the main group, even when that 
 - the check group has its own short timeout (``TP_REPLAYSSM_PLACEMENT_TIMEOUT_S``, default 60 s), so a
   rank that never arrives (crashed, or stuck in model loading) turns into an error within that bound
   instead of NCCL's 10-minute watchdog, and the check never interleaves with async traffic on the
-  main group;
+  main group; an exchange that fails (a timeout closes gloo's connections) drops the cached group,
+  and the next check creates a new one, which every rank of the group must reach;
 - the exchange tensors live in host memory, so the check costs no device sync and no allocation on
-  the device; its success path is one ``int64[world, 5]`` gloo ``all_gather`` (measured 0.3-0.8 ms
+  the device; its success path is one ``int64[world, 6]`` gloo ``all_gather`` (measured 0.3-0.8 ms
   between two CPU processes on a busy 2-core VM, about the latency of the gloo collective itself).
 
 With ``group=None`` the same local rules run (no collective, no rank rules), and a problem still
@@ -175,9 +179,8 @@ def _first_round(pg: Any, kind: int, values: tuple[int, int, int], context: str)
     contexts: list[Any] = [None] * world
     dist.all_gather_object(contexts, context, group=pg)
     raise RankMismatchError("the ranks of the group are in different collective checks: "
-                              + "; ".join(f"rank {r}: {c}" for r, c in enumerate(contexts))
-                              + " (every rank must make the same pool calls in the same order)")
-
+                            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(contexts))
+                            + " (every rank must make the same pool calls in the same order)")
 
 
 def collective_placement_check(
