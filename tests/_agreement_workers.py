@@ -21,8 +21,9 @@ K = V = 16
 W = 4
 T = 2
 
-CASES = ("same", "same-meaning", "slots-order", "batch", "force-flush", "calls", "num-accepted", "commit-shape",
-         "parents", "alloc", "free", "fork", "load-state", "layer-prefill", "placement-vs-call")
+CASES = ("same", "same-meaning", "slots-order", "batch", "force-flush", "dtype", "calls", "num-accepted",
+         "commit-shape", "parents", "alloc", "free", "fork", "load-state", "layer-prefill", "placement-vs-call",
+         "other-pool")
 
 
 def _snapshot(pool: ReplaySSMStatePool) -> list[torch.Tensor]:
@@ -75,13 +76,14 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
         cu = torch.tensor([0, 1 if me else 2, 5], dtype=torch.int32)
         layer(torch.randn(5, 32, generator=torch.Generator().manual_seed(5)), slots[:2], cu)
 
-    def same_meaning() -> None:  # arguments spelled differently on one rank that mean the same
-        pad = torch.tensor([int(slots[0]), int(slots[1]), -2 if me else -1], dtype=torch.int32)
-        decode(pad, force_flush=torch.zeros(3, dtype=torch.int32) if me else None)
-        chain = torch.tensor([[-1, 0]] * 3, dtype=torch.int32)
-        verify(slots, chain if me else None)
-        pool.commit(slots, accepted, path=torch.tensor([[0, 1]] * 3, dtype=torch.int32) if me else None)
-        pool.export_state(slots.tolist() if me else slots.long())
+    def same_meaning() -> None:  # padding spelled differently on one rank
+        decode(torch.tensor([int(slots[0]), int(slots[1]), -2 if me else -1], dtype=torch.int32))
+
+    def other_pool() -> None:  # one rank calls a second pool (built on every rank, after the first)
+        other = ReplaySSMStatePool(KDAHeads(2, 4, K, V), num_layers=1, num_slots=8, ring_length=4,
+                                   group=dist.group.WORLD, device="cpu", debug=True)
+        ids = other.alloc(3)
+        (other if me else pool).advance(ids)
 
     accepted = torch.tensor([1, 2, 0], dtype=torch.int32)
     calls = {
@@ -92,6 +94,8 @@ def _run_case(case: str, me: bool, debug: bool) -> tuple[Any, ...]:
         "slots-order": lambda: decode(slots.flip(0) if me else slots),
         "batch": lambda: decode(slots[:2] if me else slots),
         "force-flush": lambda: decode(slots, force_flush=torch.tensor([0, int(me), 0], dtype=torch.int32)),
+        "dtype": lambda: decode(slots, force_flush=torch.zeros(3, dtype=torch.int64 if me else torch.int32)),
+        "other-pool": other_pool,
         "calls": lambda: pool.advance(slots) if me else decode(slots, layer=1),
         "num-accepted": lambda: pool.commit(slots, accepted.flip(0) if me else accepted),
         "parents": lambda: verify(slots, torch.tensor([[-1, 0], [-1, -1 if me else 0], [-1, 0]], dtype=torch.int32)),
@@ -220,3 +224,22 @@ def calls_compared(rank: int, world: int) -> list[str]:
     finally:
         placement.gather_if_different = exchange
     return seen
+
+
+def bad_env_on_one_rank(rank: int, world: int, odd: int) -> str:
+    """``TP_REPLAYSSM_DEBUG=2`` (not understood) on rank ``odd`` alone: its pool's construction reports it in the
+    placement check every rank takes part in (the text)."""
+    import os
+
+    import torch.distributed as dist
+
+    if rank == odd:
+        os.environ["TP_REPLAYSSM_DEBUG"] = "2"
+    try:
+        ReplaySSMStatePool(KDAHeads(2, 4, K, V), num_layers=1, num_slots=4, ring_length=4, group=dist.group.WORLD,
+                           device="cpu")
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        os.environ.pop("TP_REPLAYSSM_DEBUG", None)
+    return "built"

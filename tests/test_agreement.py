@@ -8,28 +8,33 @@ import pytest
 import torch
 
 import _dist_helpers as h
-from _agreement_workers import CASES, calls_compared, debug_on_one_rank, late_rank, mismatch_cases
+from _agreement_workers import CASES, bad_env_on_one_rank, calls_compared, debug_on_one_rank, late_rank, mismatch_cases
 from tp_replayssm import KDAHeads, RankMismatchError, ReplaySSMStatePool
-from tp_replayssm.pool.agreement import _value_text, chain_or_value, flagged_rows, mismatch_text, slot_ids
-from tp_replayssm.pool.pool import DEBUG_ENV, debug_from_env
+from tp_replayssm.pool.agreement import DEBUG_ENV, _value_text, debug_from_env, mismatch_text, shape_of, slot_ids
 
 # what each case's text must name (besides the ranks)
 EXPECT = {
-    "slots-order": ["decode(layer=0)", "`slots`: [0, 1, 2] on rank", "[2, 1, 0] on rank"],
-    "batch": ["decode(layer=0)", "`rows`: (3,) on rank", "(2,) on rank", "`slots`"],
-    "force-flush": ["`force_flush_rows`: [] on rank", "[1] on rank"],
-    "calls": ["the ranks are in different calls", "ReplaySSMStatePool.advance on rank",
-              "ReplaySSMStatePool.decode(layer=1) on rank"],
-    "num-accepted": ["ReplaySSMStatePool.commit", "`num_accepted`: [1, 2, 0] on rank", "[0, 2, 1] on rank"],
-    "parents": ["verify(layer=0)", "`parents`: 'chain' on rank",
-                "[[-1, 0], [-1, -1], [-1, 0]] on rank"],
+    "slots-order": ["decode(layer=0)", "`slots`: torch.int32 [0, 1, 2] on rank", "torch.int32 [2, 1, 0] on rank"],
+    "batch": ["decode(layer=0)", "`mixed_qkv`: torch.float32 (3, ", "torch.float32 (2, ",
+              "`slots`"],
+    "force-flush": ["`force_flush`: torch.int32 [0, 0, 0] on rank", "torch.int32 [0, 1, 0] on rank"],
+    "dtype": ["`force_flush`: torch.int32 [0, 0, 0] on rank", "torch.int64 [0, 0, 0] on rank"],
+    "other-pool": ["ReplaySSMStatePool.advance", "`pool`: #"],
+    "calls": ["the ranks of the group are in different collective checks", "ReplaySSMStatePool.advance (debug check)",
+              "ReplaySSMStatePool.decode(layer=1) (debug check)"],
+    "num-accepted": ["ReplaySSMStatePool.commit", "`num_accepted`: torch.int32 [1, 2, 0] on rank",
+                     "torch.int32 [0, 2, 1] on rank"],
+    "parents": ["verify(layer=0)", "`parents`: torch.int32 [[-1, 0], [-1, 0], [-1, 0]] on rank",
+                "torch.int32 [[-1, 0], [-1, -1], [-1, 0]] on rank"],
     "alloc": ["ReplaySSMStatePool.alloc", "`ids`: [3] on rank", "[4] on rank"],
     "free": ["ReplaySSMStatePool.free", "`slots`: [1] on rank", "[2] on rank"],
-    "fork": ["ReplaySSMStatePool.fork", "`dst`: [6] on rank", "[5] on rank"],
-    "load-state": ["ReplaySSMStatePool.load_state", "`slots`: [0, 1] on rank", "[1, 2] on rank"],
-    "layer-prefill": ["TPKimiDeltaAttention(layer=0)", "`cu_seqlens`: [0, 2, 5] on rank", "[0, 1, 5] on rank"],
-    "commit-shape": ["ReplaySSMStatePool.commit", "`slots`: [0, 1, 2] on rank", "[0, 1] on rank",
-                     "`num_accepted`: [1, 2, 0] on rank", "[1, 2] on rank"],
+    "fork": ["ReplaySSMStatePool.fork", "`dst`: torch.int32 [6] on rank", "torch.int32 [5] on rank"],
+    "load-state": ["ReplaySSMStatePool.load_state", "`slots`: torch.int32 [0, 1] on rank", "torch.int32 [1, 2] on rank"],
+    "layer-prefill": ["TPKimiDeltaAttention(layer=0)", "`cu_seqlens`: torch.int32 [0, 2, 5] on rank",
+                      "torch.int32 [0, 1, 5] on rank"],
+    "commit-shape": ["ReplaySSMStatePool.commit", "`slots`: torch.int32 [0, 1, 2] on rank",
+                     "torch.int32 [0, 1] on rank", "`num_accepted`: torch.int32 [1, 2, 0] on rank",
+                     "torch.int32 [1, 2] on rank"],
     "placement-vs-call": ["the ranks of the group are in different collective checks",
                           "placement check during ReplaySSMStatePool.verify_placement()",
                           "ReplaySSMStatePool.advance (debug check)"],
@@ -45,8 +50,7 @@ def test_ranks_that_disagree_all_raise_the_same_error(tmp_path, world: int, odd:
         got = [r[case] for r in results]
         kinds, texts, unchanged, met = zip(*got)
         assert all(met), (case, met)  # the ranks stayed together: the next collective met on every rank
-        if case in ("same", "same-meaning"):  # (same-meaning: padding -1/-2, force_flush None/zeros, a chain None or
-            # spelled out, a list or an int64 tensor of ids)
+        if case in ("same", "same-meaning"):  # (same-meaning: padding -1 on one rank, -2 on the others)
             assert kinds == (None,) * world and not any(unchanged), (case, texts)  # it decoded
             continue
         assert all(unchanged), (case, unchanged)  # nothing written (the case's call raised before any write)
@@ -55,6 +59,8 @@ def test_ranks_that_disagree_all_raise_the_same_error(tmp_path, world: int, odd:
         text = texts[0]
         if case == "placement-vs-call":
             assert f"rank {odd}: placement check" in text, text
+        elif case == "calls":
+            assert f"rank {odd}: ReplaySSMStatePool.advance" in text, text
         else:
             assert f"on rank {odd}" in text and f"on rank{'s' if world > 2 else ''} {others}" in text, (case, text)
         for part in EXPECT[case]:
@@ -86,18 +92,19 @@ def test_the_text_names_each_differing_argument_by_value_and_ranks() -> None:
     assert text.startswith("ReplaySSMStatePool.commit: the ranks passed different arguments: `num_accepted`: "
                            "[1, 1] on ranks 0, 2; [1, 0] on rank 1 (debug check;"), text
     assert "`slots`" not in text and "`path`" not in text
-    ids = list(range(40))
-    swapped = ids[:38] + [39, 38]  # a difference past the first 120 characters
-    text = mismatch_text([("c", {"slots": str(ids)}, 0), ("c", {"slots": str(swapped)}, 1)])
-    assert "37, 38, 39] on rank 0; ..." in text and "37, 39, 38] on rank 1" in text, text
-    assert len(text) < 2 * 125 + 250, len(text)
+    ids = list(range(1500))
+    late, early = ids[:1200] + [9999] + ids[1201:], ids[:700] + [8888] + ids[701:]  # deep in long lists
+    text = mismatch_text([("c", {"slots": str(v)}, r) for r, v in enumerate((ids, late, early, ids))])
+    assert "on ranks 0, 3;" in text and "1199, 9999, 1201" in text and "(differs from element 1200) on rank 1;" in text
+    assert "699, 8888, 701" in text and "(differs from element 700) on rank 2 (" in text, text
+    assert len(text) < 3 * 190 + 250, len(text)
     sub = mismatch_text([("c", {"n": "1"}, 2), ("c", {"n": "2"}, 3)])  # a subgroup: its ranks and their global ranks
     assert "on rank 0; 2 on rank 1 (debug check; ranks of the pool's group, whose global ranks are 2, 3;" in sub, sub
 
 
 @pytest.mark.parametrize("value,want", [
-    (torch.tensor([3, 1], dtype=torch.int32), "[3, 1]"),
-    (torch.tensor([3, 1]), "[3, 1]"),  # integer tensors by value, whatever their dtype
+    (torch.tensor([3, 1], dtype=torch.int32), "torch.int32 [3, 1]"),
+    (torch.tensor([3, 1]), "torch.int64 [3, 1]"),  # integer tensors by dtype and value
     (torch.zeros(2, 3), "torch.float32 (2, 3)"),  # activations: each rank's own values
     (torch.zeros(2, dtype=torch.int32, device="meta"), "torch.int32 (2,)"),
     (None, "None"),
@@ -111,17 +118,17 @@ def test_rank_mismatch_error_is_a_value_error() -> None:
     assert issubclass(RankMismatchError, ValueError)
 
 
-def test_arguments_are_compared_by_meaning() -> None:
-    assert slot_ids(torch.tensor([3, -2, 1])) == slot_ids([3, -1, 1]) == [3, -1, 1]  # any negative id: padding
-    assert slot_ids(torch.tensor([3, 1], dtype=torch.int64)) == slot_ids((3, 1)) == [3, 1]
-    assert flagged_rows(None) == flagged_rows(torch.zeros(3, dtype=torch.int32)) == []
-    assert flagged_rows(torch.tensor([0, 1, 0], dtype=torch.int32)) == [1]
-    assert chain_or_value(None) == chain_or_value(torch.tensor([[-1, 0, 1]] * 2)) == "chain"
-    assert chain_or_value(torch.tensor([[0, 1, 2]] * 2), path=True) == "chain"  # commit's path of a chain
-    assert chain_or_value(torch.tensor([[0, 1, 2]] * 2)) != "chain"  # (as parents: not a chain)
-    tree = torch.tensor([[-1, -1, 0]])
-    assert chain_or_value(tree) is tree
+def test_arguments_are_compared_as_passed_but_padding() -> None:
+    """As passed (a rank's own checks must not refuse on one rank what they accept on another): the container and
+    the integer dtype count; the one leniency is padding, any negative slot id being -1."""
+    i32 = torch.int32
+    assert slot_ids(torch.tensor([3, -2, 1], dtype=i32)) == slot_ids(torch.tensor([3, -1, 1], dtype=i32))
+    assert slot_ids(torch.tensor([3, 1], dtype=i32)) == "torch.int32 [3, 1]"
+    assert slot_ids(torch.tensor([3, 1])) != slot_ids(torch.tensor([3, 1], dtype=i32))
+    assert slot_ids([3, 1]) == "list [3, 1]" != slot_ids((3, 1))
     assert slot_ids("x") == "x"  # anything else is left for the call's own checks
+    assert shape_of(torch.zeros(2, 3)) == "torch.float32 (2, 3)" != shape_of(torch.zeros(2, 3, dtype=torch.bfloat16))
+    assert _value_text(None) != _value_text(torch.zeros(3, dtype=i32))  # None against zeros: different
 
 
 @pytest.mark.parametrize("value,want", [("1", True), ("true", True), ("Yes", True), ("on", True), ("0", False),
@@ -155,6 +162,13 @@ def test_debug_mode_on_some_ranks_only_is_refused_at_construction(tmp_path) -> N
     results = h.run_ranks(debug_on_one_rank, 2, tmp_path, 1)
     assert results[0] == results[1] and results[0].startswith("PlacementError"), results
     assert "debug=True (rank 0: False)" in results[0], results[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_debug_env_value_not_understood_on_one_rank_fails_every_rank(tmp_path) -> None:  # noqa: ANN001
+    results = h.run_ranks(bad_env_on_one_rank, 2, tmp_path, 1)
+    assert results[0] == results[1] and results[0].startswith("PlacementError"), results
+    assert "TP_REPLAYSSM_DEBUG must be one of" in results[0] and "'2'" in results[0], results[0]
 
 
 @pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from _pool_helpers import B, DEV, KD, L, S, SMALL, VD, i32, make_pool, params_fo
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
 from tp_replayssm.pool import step as pool_module  # (the pool delegates its decode here)
 from tp_replayssm.pool.memory import slots_that_fit
-from tp_replayssm.pool.pool import DEBUG_ENV
+from tp_replayssm.pool.agreement import DEBUG_ENV
 from tp_replayssm.testing import random_decode_inputs, random_head_params
 
 

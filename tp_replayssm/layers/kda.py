@@ -26,8 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ..pool.agreement import (chain_or_value, flagged_rows, int_values, leading_dims, same_call_on_every_rank,
-                              slot_ids)
+from ..pool.agreement import same_call_on_every_rank, shape_of, slot_ids
 from ..pool.slots import check_ids, refuse_bad_ids
 from ..tp.heads import shard_heads
 from ..validation import ACTIVATION_DTYPES, describe
@@ -182,8 +181,8 @@ class TPKimiDeltaAttention(torch.nn.Module):
             same_call_on_every_rank(
                 self.pool, f"TPKimiDeltaAttention(layer={self.layer_idx})",
                 call="verify" if verify else "decode" if cu_seqlens is None else "prefill",
-                rows=leading_dims(hidden), slots=slot_ids(slots), cu_seqlens=int_values(cu_seqlens),
-                parents=chain_or_value(parents), advance=bool(advance), force_flush_rows=flagged_rows(force_flush))
+                hidden=shape_of(hidden), slots=slot_ids(slots), cu_seqlens=cu_seqlens,
+                parents=parents, advance=bool(advance), force_flush=force_flush)
         if verify:
             for name, given in (("cu_seqlens", cu_seqlens is not None), ("advance", bool(advance)),
                                 ("force_flush", force_flush is not None)):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..pool.agreement import int_values, same_call_on_every_rank
+from ..pool.agreement import same_call_on_every_rank
 from ..pool.slots import check_ids, refuse_bad_ids
 from .kda_torch import chunk_kda_torch, kda_activations
 
@@ -98,7 +98,7 @@ def end_prefill(pool: ReplaySSMStatePool, slots: torch.Tensor) -> None:
     :class:`~tp_replayssm.errors.SlotError` before anything is written (a host check: a prefill syncs anyway)."""
     where = "end_prefill"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, slots=int_values(slots))
+        same_call_on_every_rank(pool, where, slots=slots)
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     ids = [int(i) for i in slots.tolist()]
     refuse_bad_ids(pool, ids, where, unique=True)

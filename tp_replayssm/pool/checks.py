@@ -51,7 +51,7 @@ def check_placement(pool: ReplaySSMStatePool, tensors: dict[str, torch.Tensor], 
     placement.collective_placement_check(
         group=pool.group, expected_device=pool.device, require_current_device=(pool.group is not None),
         fingerprint=dataclasses.replace(pool.fingerprint, debug=pool.debug), tensors={**tensors, **own}, context=context,
-        extra_problems=replaced_tensors(pool))
+        extra_problems=replaced_tensors(pool) + getattr(pool, "_config_problems", []))
 
 
 def replaced_tensors(pool: ReplaySSMStatePool) -> list[str]:

@@ -29,7 +29,7 @@ from ..kernels.launch import run_decode
 from ..kernels.plan import DecodePlan, plan_decode, problem_of
 from ..validation import ACTIVATION_DTYPES, DecodeCall, check_tensor, describe, validate_decode_once
 from ..kernels.guard import SlotGuard, record_bad_rows
-from .agreement import leading_dims, same_call_on_every_rank, slot_ids
+from .agreement import same_call_on_every_rank, shape_of, slot_ids
 from .slots import check_ids
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ def checked_conv_update(pool: ReplaySSMStatePool, layer: int, x: torch.Tensor, w
     ids (debug mode: by value), then :func:`conv_update`."""
     where = f"ReplaySSMStatePool.conv_update(layer={layer})"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, rows=leading_dims(x), slots=slot_ids(slots), activation=activation,
+        same_call_on_every_rank(pool, where, x=shape_of(x), slots=slot_ids(slots), activation=activation,
                                 bias=bias is not None)
     pool._check_layer(layer, "conv_update")
     check_conv_args(pool, x, weight, bias, activation, where)

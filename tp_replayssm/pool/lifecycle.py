@@ -36,7 +36,7 @@ from ..kernels.guard import FREE_CURSOR, SlotGuard, record_bad_rows
 from ..reference import replay_predecayed_ring, replay_ring
 from ..tp.devices import resolve_device
 from ..validation import describe
-from .agreement import int_values, same_call_on_every_rank, slot_ids
+from .agreement import same_call_on_every_rank, slot_ids
 from .shard import StateShard
 from .slots import host_ids, raise_slot_error, refuse_bad_ids
 
@@ -66,7 +66,7 @@ def free(pool: ReplaySSMStatePool, slots: object) -> None:
     """:meth:`ReplaySSMStatePool.free`."""
     where = "ReplaySSMStatePool.free"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, slots=int_values([slots] if isinstance(slots, int) else slots))
+        same_call_on_every_rank(pool, where, slots=slots)
     ids = host_ids(slots, where)
     pool._slots.give_back(ids, where)
     if ids:  # the kernels now refuse rows that name these slots
@@ -105,7 +105,7 @@ def fork(pool: ReplaySSMStatePool, src: torch.Tensor, dst: torch.Tensor) -> None
     fork kernel where kernels run, else :func:`fork_torch` (module docstring)."""
     where = "ReplaySSMStatePool.fork"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, src=int_values(src), dst=slot_ids(dst))
+        same_call_on_every_rank(pool, where, src=src, dst=slot_ids(dst))
     for name, t in (("src", src), ("dst", dst)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32 or t.device != pool.device:
             raise ValueError(f"{where}: `{name}` must be a 1-D torch.int32 tensor on {pool.device}; got {describe(t)}")
@@ -208,7 +208,7 @@ def export_state(pool: ReplaySSMStatePool, slots: object, device: torch.device |
     """:meth:`ReplaySSMStatePool.export_state` (module docstring)."""
     where = "ReplaySSMStatePool.export_state"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, slots=int_values(slots))
+        same_call_on_every_rank(pool, where, slots=slots)
     # a CUDA device on a machine without CUDA (or past the visible ones) is a ValueError that says so
     target = pool.device if device is None else resolve_device(device, where)
     ids = _host_slots(pool, slots, where, unique=False)
@@ -256,7 +256,7 @@ def import_state(pool: ReplaySSMStatePool, slots: object, shards: Iterable[State
         shards = [shards]
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
         first = next(iter(shards), None) if isinstance(shards, (list, tuple)) else None
-        same_call_on_every_rank(pool, where, slots=int_values(slots),
+        same_call_on_every_rank(pool, where, slots=slots,
                                 source_slots=list(first.source_slots) if isinstance(first, StateShard) else None)
     if not isinstance(shards, Iterable) or isinstance(shards, Mapping):
         raise ValueError(f"{where}: `shards` must be a StateShard or an iterable of StateShard (a dict's: pass its "

@@ -34,8 +34,8 @@ call's slots on the host first and raises at the call.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -49,6 +49,7 @@ from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
+from .agreement import debug_setting
 from .slots import SlotTable, debug_check, is_int
 
 if TYPE_CHECKING:
@@ -60,19 +61,7 @@ __all__ = ["LayerViews", "ReplaySSMStatePool"]
 
 logger = logging.getLogger(__name__)
 
-DEBUG_ENV = "TP_REPLAYSSM_DEBUG"
-_DEBUG_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
-                 "off": False, "": False}
-
-
-def debug_from_env(where: str) -> bool:
-    """Debug mode as ``TP_REPLAYSSM_DEBUG`` sets it (1/true/yes/on, 0/false/no/off or unset); another value raises
-    ``ValueError`` rather than leave debug mode silently off."""
-    value = os.environ.get(DEBUG_ENV, "")
-    if value.strip().lower() not in _DEBUG_VALUES:
-        raise ValueError(f"{where}: {DEBUG_ENV} must be one of 1, true, yes, on, 0, false, no, off (or unset); got "
-                         f"{value!r}")
-    return _DEBUG_VALUES[value.strip().lower()]
+_SERIALS = itertools.count()
 
 
 class LayerViews(NamedTuple):
@@ -93,7 +82,8 @@ class ReplaySSMStatePool:
     ``pool.local_heads``). ``tp_rank``/``tp_size`` default to ``group``'s rank and size, else ``0``/``1``;
     ``device`` defaults to the rank's current device (the current CUDA device, else the CPU). With a ``group``,
     construction is collective (the placement check). ``ring_layout``: ``"predecayed"`` (default) or ``"sglang"``.
-    ``debug``: the checks that sync with the device.
+    ``debug`` (None: ``TP_REPLAYSSM_DEBUG``): the checks that sync with the device, and with a group the ranks'
+    comparison of every call (:mod:`tp_replayssm.pool.agreement`).
     """
 
     def __init__(
@@ -130,7 +120,8 @@ class ReplaySSMStatePool:
         self.conv_kernel_size, self.conv_dtype = conv_kernel_size, conv_dtype
         self.conv_channels = self.local_heads.qkv_width  # D: the conv runs over mixed_qkv's columns
         self.device = resolve_device(device, where)
-        self.debug = debug_from_env(where) if debug is None else bool(debug)
+        self.serial = next(_SERIALS)  # this process's pools in the order built (debug mode compares it across ranks)
+        self.debug, self._config_problems = debug_setting(debug, where, group)
 
         NL, S, L = num_layers, num_slots, ring_length
         HV, H, K, V = (self.local_heads.num_v_heads, self.local_heads.num_q_heads, self.local_heads.key_dim,

@@ -28,7 +28,7 @@ from ..kernels.verify_launch import run_verify
 from ..reference_spec import chain_parents, parents_valid, path_valid, tree_conv
 from ..spec_validation import VerifyCall, validate_commit, validate_verify
 from . import conv
-from .agreement import chain_or_value, int_values, leading_dims, same_call_on_every_rank, slot_ids
+from .agreement import same_call_on_every_rank, shape_of, slot_ids
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -79,8 +79,8 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     """:meth:`ReplaySSMStatePool.verify`."""
     where = f"ReplaySSMStatePool.verify(layer={layer})"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slot_ids(slots),
-                                parents=chain_or_value(parents), conv=conv_weight is not None, scale=scale,
+        same_call_on_every_rank(pool, where, mixed_qkv=shape_of(mixed_qkv), slots=slot_ids(slots),
+                                parents=parents, conv=conv_weight is not None, scale=scale,
                                 lower_bound=lower_bound, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     pool._check_layer(layer, "verify")
     lh = pool.local_heads
@@ -173,8 +173,8 @@ def commit(pool: ReplaySSMStatePool, slots: torch.Tensor, num_accepted: torch.Te
     """:meth:`ReplaySSMStatePool.commit`."""
     where = "ReplaySSMStatePool.commit"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, slots=slot_ids(slots), num_accepted=int_values(num_accepted),
-                                path=chain_or_value(path, path=True))
+        same_call_on_every_rank(pool, where, slots=slot_ids(slots), num_accepted=num_accepted,
+                                path=path)
     step = getattr(pool, "_spec_step", None)
     if step is None:
         raise ValueError(f"{where}: no verify since the last commit (commit follows every layer's verify of a step)")

@@ -16,7 +16,7 @@ import torch
 
 from ..reference import replay_predecayed_ring, replay_ring
 from ..validation import describe
-from .agreement import int_values, same_call_on_every_rank
+from .agreement import same_call_on_every_rank, shape_of
 from .slots import check_ids, refuse_bad_ids
 
 if TYPE_CHECKING:
@@ -30,7 +30,8 @@ def load_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor, states
     """:meth:`ReplaySSMStatePool.load_state`."""
     where = "ReplaySSMStatePool.load_state"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots), conv_states=conv_states is not None)
+        same_call_on_every_rank(pool, where, layer=layer, slots=slots, states=shape_of(states),
+                                conv_states=shape_of(conv_states))
     pool._check_layer(layer, "load_state")
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     n = slots.shape[0]
@@ -67,7 +68,7 @@ def read_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -> tor
     """:meth:`ReplaySSMStatePool.read_state`."""
     where = "ReplaySSMStatePool.read_state"
     if pool.debug:
-        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots))
+        same_call_on_every_rank(pool, where, layer=layer, slots=slots)
     pool._check_layer(layer, "read_state")
     check_ids(slots, where, pool.device, (torch.int32, torch.int64))
     _check_slots(pool, slots, where, unique=False)
@@ -90,7 +91,7 @@ def read_conv_state(pool: ReplaySSMStatePool, layer: int, slots: torch.Tensor) -
     """:meth:`ReplaySSMStatePool.read_conv_state`."""
     where = "ReplaySSMStatePool.read_conv_state"
     if pool.debug:
-        same_call_on_every_rank(pool, where, layer=layer, slots=int_values(slots))
+        same_call_on_every_rank(pool, where, layer=layer, slots=slots)
     pool._check_layer(layer, "read_conv_state")
     if pool.conv_state is None:
         raise ValueError(f"{where}: this pool holds no conv state (built with conv_kernel_size=0)")

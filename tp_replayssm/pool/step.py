@@ -15,7 +15,7 @@ from ..kernels.guard import FREE_CURSOR
 from ..tp.heads import KDAHeads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
 from . import conv
-from .agreement import flagged_rows, leading_dims, same_call_on_every_rank, slot_ids
+from .agreement import same_call_on_every_rank, shape_of, slot_ids
 from .slots import check_ids, is_int
 
 if TYPE_CHECKING:
@@ -35,8 +35,8 @@ def decode(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     decode launch, with the pool's conv before it (fused or in a launch of its own) when ``conv_weight`` is given."""
     where = f"ReplaySSMStatePool.decode(layer={layer})"
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
-        same_call_on_every_rank(pool, where, rows=leading_dims(mixed_qkv), slots=slot_ids(slots),
-                                force_flush_rows=flagged_rows(force_flush), advance=bool(advance),
+        same_call_on_every_rank(pool, where, mixed_qkv=shape_of(mixed_qkv), slots=slot_ids(slots),
+                                force_flush=force_flush, advance=bool(advance),
                                 conv=conv_weight is not None, scale=scale, lower_bound=lower_bound,
                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     pool._check_layer(layer, "decode")
@@ -72,7 +72,7 @@ def advance(pool: ReplaySSMStatePool, slots: torch.Tensor, force_flush: torch.Te
     """:meth:`ReplaySSMStatePool.advance`: argument checks, then the cursor kernel (or its torch form)."""
     where = "ReplaySSMStatePool.advance"
     if pool.debug:
-        same_call_on_every_rank(pool, where, slots=slot_ids(slots), force_flush_rows=flagged_rows(force_flush))
+        same_call_on_every_rank(pool, where, slots=slot_ids(slots), force_flush=force_flush)
     check_ids(slots, where, pool.device, (torch.int32,))
     B = slots.shape[0]
     if force_flush is not None:

@@ -77,7 +77,7 @@ log = logging.getLogger(__name__)
 TIMEOUT_ENV = "TP_REPLAYSSM_PLACEMENT_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 60.0
 _MAGIC = 0x7470_5253_0002  # "tpRS" + protocol version 2
-_ROW = 6  # magic, kind, three values of the kind, group rank: the first message of every exchange on a check group
+_ROW = 7  # magic, kind, three values of the kind, digest of the call, group rank: every exchange's first message
 # what an exchange is, by the kind its first message carries: every exchange starts with the same fixed-shape
 # all-gather, so ranks in different exchanges (one in a placement check, one in a debug call's comparison) learn it
 # from that table and all raise, instead of pairing collectives of different sizes (gloo aborts on that)
@@ -167,20 +167,26 @@ def _exchange(pg: Any, report: RankReport) -> list[RankReport] | None:
 
 def _first_round(pg: Any, kind: int, values: tuple[int, int, int], context: str) -> list[list[int]]:
     """The first message of an exchange of ``kind`` on check group ``pg``: every rank's ``[magic, kind, *values,
-    rank]``. Ranks in exchanges of different kinds (or protocol versions) all see that in the table and all raise
-    :class:`RankMismatchError` naming each rank's ``context`` (one more all-gather, of those texts)."""
+    digest of context, rank]``. Ranks in different exchanges (another kind, another call, another protocol version)
+    all see that in the table and all raise :class:`RankMismatchError` naming each rank's ``context`` (one more
+    all-gather, of those texts, with each rank's global rank)."""
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
-    row = torch.tensor([_MAGIC, kind, *values, rank], dtype=torch.int64)
+    row = torch.tensor([_MAGIC, kind, *values, text_digest(context), rank], dtype=torch.int64)
     table = torch.empty(world, _ROW, dtype=torch.int64)
     dist.all_gather(list(table.unbind(0)), row, group=pg)
     rows = table.tolist()
-    if all(r[0] == _MAGIC and r[1] == kind for r in rows):
+    if all(r[0] == _MAGIC and r[1] == kind and r[5] == rows[0][5] for r in rows):
         return rows
     contexts: list[Any] = [None] * world
-    dist.all_gather_object(contexts, context, group=pg)
+    dist.all_gather_object(contexts, (context, dist.get_rank()), group=pg)
     raise RankMismatchError("the ranks of the group are in different collective checks: "
-                            + "; ".join(f"rank {r}: {c}" for r, c in enumerate(contexts))
+                            + "; ".join(f"{rank_name(r, g)}: {c}" for r, (c, g) in enumerate(contexts))
                             + " (every rank must make the same pool calls in the same order)")
+
+
+def rank_name(group_rank: int, global_rank: int) -> str:
+    """``rank r``, with the global rank where the group's ranks are not the global ones."""
+    return f"rank {group_rank}" if group_rank == global_rank else f"rank {group_rank} (global rank {global_rank})"
 
 
 def collective_placement_check(
@@ -249,9 +255,9 @@ def _gather_when(group: Any, kind: int, word: int, payload: Any, context: str, w
     """An exchange of ``kind``: one int64 ``word`` per rank over the check group; when ``wanted(words)``, all-gather
     the ranks' ``payload`` objects and return them (group rank order), else None."""
     with _no_fake_mode():
-        pg = _check_group(group)
-        world = dist.get_world_size(pg)
         try:
+            pg = _check_group(group)  # (made again after a failed exchange: a late peer fails it here)
+            world = dist.get_world_size(pg)
             rows = _first_round(pg, kind, (word, 0, 0), context)
             if not wanted([r[2] for r in rows]):
                 return None
@@ -270,7 +276,8 @@ def _exchange_failed(group: Any, context: str, exc: Exception, local: str) -> Pl
     (collectively: every rank of the group must reach it)."""
     _forget_check_group(group)
     return PlacementError(
-        f"{context}: rank {dist.get_rank(group)} could not exchange its check's result with its group (the check's "
+        f"{context}: {rank_name(dist.get_rank(group), dist.get_rank())} could not exchange its check's result with "
+        f"its group (the check's "
         f"timeout is {check_timeout_s():.0f} s; {type(exc).__name__}: {exc}); another rank probably failed, is "
         f"late, or is not running the same call. {local}")
 
