@@ -119,18 +119,15 @@ def _value_text(value: object) -> str:
 
 def mismatch_text(got: list[tuple[str, dict[str, str], int]]) -> str:
     """The one text every rank raises, from the gathered ``(call, {argument: value}, global rank)`` of every rank
-    (in the order of the pool's group)."""
-    calls = [call for call, _, _ in got]
-    if len(set(calls)) > 1:
-        what = f"the ranks are in different calls: {_ranks_with(calls)}"
-    else:
-        names = list(dict.fromkeys(name for _, args, _ in got for name in args))
-        diffs = []
-        for name in names:
-            values = [args.get(name, "(not given)") for _, args, _ in got]
-            if len(set(values)) > 1:
-                diffs.append(f"`{name}`: {_ranks_with(values, _around_difference(values))}")
-        what = f"{calls[0]}: the ranks passed different arguments: " + "; ".join(diffs)
+    (in the order of the pool's group). The calls are the same: ranks in different calls never get here, their
+    exchange's first message already differs (:func:`tp_replayssm.tp.placement._first_round`)."""
+    names = list(dict.fromkeys(name for _, args, _ in got for name in args))
+    diffs = []
+    for name in names:
+        values = [args.get(name, "(not given)") for _, args, _ in got]
+        if len(set(values)) > 1:
+            diffs.append(f"`{name}`: {_ranks_with(values, _around_difference(values))}")
+    what = f"{got[0][0]}: the ranks passed different arguments: " + "; ".join(diffs)
     global_ranks = [r for _, _, r in got]
     where = "" if global_ranks == list(range(len(got))) else \
         f"; ranks of the pool's group, whose global ranks are {', '.join(map(str, global_ranks))}"
@@ -138,12 +135,12 @@ def mismatch_text(got: list[tuple[str, dict[str, str], int]]) -> str:
             f"the same step arguments: docs/layers.md)")
 
 
-def _ranks_with(values: list[str], shown: dict[str, str] | None = None) -> str:
+def _ranks_with(values: list[str], shown: dict[str, str]) -> str:
     """Each distinct value (as ``shown`` gives it) with the ranks that passed it."""
     by_value: dict[str, list[int]] = {}
     for rank, value in enumerate(values):
         by_value.setdefault(value, []).append(rank)
-    return "; ".join(f"{(shown or {}).get(value, value)} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
+    return "; ".join(f"{shown[value]} on rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}"
                      for value, r in by_value.items())
 
 

@@ -50,8 +50,8 @@ def check_placement(pool: ReplaySSMStatePool, tensors: dict[str, torch.Tensor], 
            if not any(t is other for other in tensors.values())}
     placement.collective_placement_check(
         group=pool.group, expected_device=pool.device, require_current_device=(pool.group is not None),
-        fingerprint=dataclasses.replace(pool.fingerprint, debug=pool.debug), tensors={**tensors, **own}, context=context,
-        extra_problems=replaced_tensors(pool) + getattr(pool, "_config_problems", []))
+        fingerprint=dataclasses.replace(pool.fingerprint, debug=pool.debug),  # (debug mode as it is now)
+        tensors={**tensors, **own}, context=context, extra_problems=replaced_tensors(pool) + pool._config_problems)
 
 
 def replaced_tensors(pool: ReplaySSMStatePool) -> list[str]:
@@ -64,4 +64,3 @@ def replaced_tensors(pool: ReplaySSMStatePool) -> list[str]:
         return []
     return [f"pool.{', pool.'.join(replaced)} replaced after construction (the decode and verify kernels use views "
             f"of the tensors the pool made; build a new pool instead of assigning its tensors)"]
-

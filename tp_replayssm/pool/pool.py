@@ -151,8 +151,7 @@ class ReplaySSMStatePool:
             num_q_heads=heads.num_q_heads, num_v_heads=heads.num_v_heads, key_dim=heads.key_dim,
             value_dim=heads.value_dim, tp_size=tp_size, tp_rank=tp_rank, num_layers=NL, num_slots=S,
             ring_length=L, state_dtype=str(state_dtype), cache_dtype=str(cache_dtype), ring_layout=ring_layout,
-            conv_kernel_size=conv_kernel_size, conv_dtype=str(conv_dtype) if conv_kernel_size else "",
-            debug=self.debug)
+            conv_kernel_size=conv_kernel_size, conv_dtype=str(conv_dtype) if conv_kernel_size else "")
         self._check_placement(self._pool_tensors(), f"{where}.__init__")
         logger.info("ReplaySSMStatePool rank %d/%d on %s: local heads H=%d HV=%d K=%d V=%d, L=%d, %s ring layout; %s",
                     tp_rank, tp_size, self.device, H, HV, K, V, L, ring_layout, self.memory.describe())

@@ -277,9 +277,8 @@ def _exchange_failed(group: Any, context: str, exc: Exception, local: str) -> Pl
     _forget_check_group(group)
     return PlacementError(
         f"{context}: {rank_name(dist.get_rank(group), dist.get_rank())} could not exchange its check's result with "
-        f"its group (the check's "
-        f"timeout is {check_timeout_s():.0f} s; {type(exc).__name__}: {exc}); another rank probably failed, is "
-        f"late, or is not running the same call. {local}")
+        f"its group (the check's timeout is {check_timeout_s():.0f} s; {type(exc).__name__}: {exc}); another rank "
+        f"probably failed, is late, or is not running the same call. {local}")
 
 
 def _forget_check_group(group: Any) -> None:

@@ -45,7 +45,7 @@ class PoolFingerprint:
     ring_layout: str = "predecayed"  # the rings' layout: "predecayed" or "sglang" (ReplaySSMStatePool)
     conv_kernel_size: int = 0  # the conv state's kernel (0: none)
     conv_dtype: str = ""  # the conv windows' dtype ("" without conv state)
-    debug: bool = False  # the pool's debug mode: its calls compare the ranks' arguments, a collective every rank joins
+    debug: bool = False  # debug mode as at the check (pool.checks sets it): its calls are collective in a group
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
