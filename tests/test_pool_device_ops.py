@@ -36,6 +36,14 @@ def test_alloc_zeroes_and_free_list():
     assert pool.num_free == S and sorted(pool.alloc(S).tolist()) == list(range(S))
 
 
+def test_free_list_hands_out_the_longest_freed_first():
+    """The free list is first in, first out: ids start in order, a freed id goes to the back (SlotTable)."""
+    pool = make_pool()
+    assert pool.alloc(3).tolist() == [0, 1, 2]
+    pool.free([1, 0])
+    assert pool.alloc(3).tolist() == [*range(3, S), 1, 0]  # (S = 4)
+
+
 @pytest.mark.parametrize("bad", [[0, 0], [S], [-1], [1, 2], [0, 5], "0"])
 def test_free_rejects_and_frees_nothing(bad):
     pool = make_pool()

@@ -275,11 +275,12 @@ def test_parents_out_of_range_with_the_conv_refuse_the_row_and_leave_no_step_ope
 
 
 def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records_them() -> None:
-    """Default mode: export_state, import_state, load_state and end_prefill (which sync anyway) refuse a slot of the
-    open verify step with SlotError before anything is written, here after a folding verify (an
-    export would read the fold's checkpoint plus the committed ring again); fork copies nothing for a pair naming one
-    (as source or destination) and check() reports it; read_state gives the committed state; after the commit all
-    of them work again."""
+    """Default mode: export_state, import_state, load_state and end_prefill (which sync anyway) and free refuse a
+    slot of the open verify step with SlotError before anything is written, here after a folding verify (an
+    export would read the fold's checkpoint plus the committed ring again; a slot freed and handed out again would
+    take the step's commit into the new request); fork copies nothing for a pair naming one (as source or
+    destination) and check() reports it, naming the open step; read_state gives the committed state; after the
+    commit all of them work again."""
     from tp_replayssm.layers import end_prefill
 
     pool = build(KDAHeads(1, 2, K, V), L=4, conv_kernel_size=4)
@@ -299,13 +300,17 @@ def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records
     refused = {"export_state": lambda: pool.export_state(verified[1:]),
                "import_state": lambda: pool.import_state(verified[1:], shard),
                "load_state": lambda: pool.load_state(0, verified[1:], torch.zeros(1, 2, V, K)),
-               "end_prefill": lambda: end_prefill(pool, verified[1:])}
+               "end_prefill": lambda: end_prefill(pool, verified[1:]),
+               "free": lambda: pool.free([int(other[0]), busy])}
+    free_before = pool._slots.num_free
     for name, call in refused.items():
         with pytest.raises(SlotError, match=rf"{name}: slots between a verify and its commit .*\[{busy}\]"):
             call()
+    assert pool._slots.num_free == free_before and pool._slots.is_allocated(int(other[0]))
+    assert pool._slots.is_allocated(busy) and busy not in pool._slots.peek(pool.num_slots)
     assert torch.equal(read_states(pool, verified.tolist()), committed)
     pool.fork(verified[1:], other[:1])  # a busy source
-    with pytest.raises(SlotError, match=rf"fork: 1 row\(s\).*row 0 slot {busy}"):
+    with pytest.raises(SlotError, match=rf"fork: 1 row\(s\).*open verify step.*row 0 slot {busy}"):
         pool.check()
     pool.fork(other[1:], verified[1:])  # a busy destination
     with pytest.raises(SlotError, match=rf"fork: 1 row\(s\).*row 0 slot {busy}"):
@@ -316,3 +321,6 @@ def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records
     pool.export_state(verified)
     pool.fork(verified[1:], other[:1])
     pool.check()
+    pool.free([busy])  # committed: it frees, and comes back zeroed with cursor 0
+    assert pool.cursors[busy] == 0xFFFF and int(pool.alloc(pool._slots.num_free)[-1]) == busy
+    assert pool.cursors[busy] == 0 and pool.conv_state[:, busy].abs().max() == 0

@@ -59,8 +59,9 @@ _SPEC_ROWS = ("named a slot that is out of range, not allocated, or repeated wit
               "num_accepted or path were not valid for the row")
 _WHAT = {"verify": _SPEC_ROWS, "commit": _SPEC_ROWS,
          "fork": "(fork pairs) named a source or destination slot that is out of range or not allocated, or a "
-                 "destination named again in the call (as a destination or a source), or a source that is a "
-                 "destination; the slot shown is the pair's source when the source is at fault, else its destination"}
+                 "destination named again in the call (as a destination or a source), a source that is a "
+                 "destination, or a slot of the open verify step (it waits for the commit); the slot shown is the "
+                 "pair's source when the source is at fault, else its destination"}
 _DONE = {"advance": "their cursors were left as they were",
          "commit": "they were left as they were (no cursor, ring or conv window changed)",
          "fork": "those pairs copied nothing"}

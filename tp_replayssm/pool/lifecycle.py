@@ -1,7 +1,8 @@
 """A request's life in the pool beyond decoding: ``alloc``, ``free``, ``fork``, ``export_state``, ``import_state``.
 
 - :func:`alloc` hands out slots from the host free list and zeroes their state (device ops, no sync); :func:`free`
-  gives them back and marks their cursors free, so the kernels refuse rows that name them.
+  gives them back and marks their cursors free, so the kernels refuse rows that name them; a slot of the open
+  verify step is refused until its commit.
 - :func:`fork` makes slots copies of others (a request that shares another's prefix): every layer's checkpoint,
   ring (d/k/g), the cursor and the conv window of ``dst`` become those of ``src``, byte for byte, so ``read_state``
   and every later decode of ``dst`` equal ``src``'s until their inputs differ. Where kernels run
@@ -38,7 +39,7 @@ from ..tp.devices import resolve_device
 from ..validation import describe
 from .agreement import same_call_on_every_rank, slot_ids
 from .shard import StateShard
-from .slots import host_ids, raise_slot_error, refuse_bad_ids
+from .slots import host_ids, raise_slot_error, refuse_bad_ids, waiting
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -68,6 +69,9 @@ def free(pool: ReplaySSMStatePool, slots: object) -> None:
     if pool.debug:  # first, before any check that may raise on one rank alone (docs/contract.md)
         same_call_on_every_rank(pool, where, slots=slots)
     ids = host_ids(slots, where)
+    # a slot of the open verify step stays until its commit: freed and handed out again, it would take the old step's
+    # commit (cursor, conv window) into the new request's state (reads the step's slots back: a sync, only while open)
+    raise_slot_error(where, waiting(pool, ids))
     pool._slots.give_back(ids, where)
     if ids:  # the kernels now refuse rows that name these slots
         pool.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), FREE_CURSOR)

@@ -198,9 +198,10 @@ class ReplaySSMStatePool:
         return lifecycle.alloc(self, n)
 
     def free(self, slots: torch.Tensor | Sequence[int] | int) -> None:
-        """Return slots to the pool. A double free, an id out of ``[0, num_slots)`` or never handed out, or the same
-        id twice in one call raises ``ValueError`` and frees nothing. (A CUDA tensor of ids is read back to the host;
-        pass a list to avoid that sync.)"""
+        """Return slots to the pool. A double free, an id out of ``[0, num_slots)`` or never handed out, the same id
+        twice in one call, or a slot of the open verify step (until its commit; ``SlotError``) raises ``ValueError``
+        and frees nothing. (A CUDA tensor of ids is read back to the host; pass a list to avoid that sync. While a
+        verify step is open its slots are read back too.)"""
         lifecycle.free(self, slots)
 
     # ---- slot safety ----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ def is_int(x: object) -> bool:
 
 
 class SlotTable:
-    """Host-side free list of ``num_slots`` slot ids, handed out lowest first."""
+    """Host-side free list of ``num_slots`` slot ids, first in, first out: the ids start in order (``0`` first) and
+    a freed id goes to the back, so the ids freed longest ago are handed out first."""
 
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
@@ -171,7 +172,8 @@ def waiting(pool: ReplaySSMStatePool, ids: Iterable[int]) -> list[str]:
     """The problem of ``ids`` that lie in the open verify step: they wait for its commit (docs/spec.md); a host
     check of a call that syncs anyway (load_state, export/import, prefill) or of debug mode."""
     busy = sorted(set(ids) & in_flight(pool))
-    return [f"slots between a verify and its commit (they wait for the commit): {busy}"] if busy else []
+    return [f"slots between a verify and its commit (they wait for the commit; a commit with num_accepted 0 drops "
+            f"a row's drafts): {busy}"] if busy else []
 
 
 def refuse_bad_ids(pool: ReplaySSMStatePool, ids: list[int], where: str, *, unique: bool, writes: bool = True) -> None:
