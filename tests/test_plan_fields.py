@@ -172,7 +172,8 @@ def test_check_refuses_a_plan_that_does_not_fit_naming_the_field(case: str) -> N
 
 
 def test_a_plan_for_another_call_is_refused_before_anything_is_written() -> None:
-    """``run_decode(..., plan=)`` checks the plan against the call first (on every path, the torch one included)."""
+    """``run_decode(..., plan=)`` checks the plan against the call first (on every path, the torch one included); a
+    ``plan`` that is not a DecodePlan is a ValueError naming it."""
     from tp_replayssm.kernels.launch import plan_for, run_decode
     from tp_replayssm.testing import random_decode_inputs, random_head_params, random_ring_caches
     from tp_replayssm.validation import DecodeCall, validate_decode
@@ -192,4 +193,6 @@ def test_a_plan_for_another_call_is_refused_before_anything_is_written() -> None
     before = [t.clone() for t in (*caches, out)]
     with pytest.raises(ValueError, match="`use_l2norm`"):
         run_decode(call, ring_layout="sglang", plan=other)
+    with pytest.raises(ValueError, match=r"replayssm_decode: `plan` must be a DecodePlan or None; got str"):
+        run_decode(call, ring_layout="sglang", plan="fast")
     assert all(torch.equal(a, b) for a, b in zip(before, (*caches, out)))

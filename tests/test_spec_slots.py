@@ -7,6 +7,7 @@ between a verify and its commit are refused by the calls that would read or writ
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from _slot_cases import assert_reported, bad_slot_cases
 from _spec_helpers import build, decode_step, make_model, random_drafts, read_states, rel, staggered, verify_all
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
+from tp_replayssm.kernels import verify_plan
 from tp_replayssm.testing import random_decode_inputs
 
 K = V = 16
@@ -43,6 +45,14 @@ def _step(pool: ReplaySSMStatePool, model: object, slots: list[int], n: list[int
     out = verify_all(pool, model, drafts, t, par)
     pool.commit(t, torch.tensor(n, dtype=torch.int32))
     return out
+
+
+def _problem_of(pool: ReplaySSMStatePool, batch: int, drafts: int) -> verify_plan.VerifyProblem:
+    """The verify problem of a chain of ``drafts`` over ``batch`` rows of ``pool`` (fp32 activations, on CPU)."""
+    lh = pool.local_heads
+    return verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
+                                     pool.ring_length, pool.state_dtype, pool.cache_dtype, "cpu", 1, pool.ring_layout,
+                                     False, True, False, False, torch.float32)
 
 
 def _same_pools(a: ReplaySSMStatePool, b: ReplaySSMStatePool) -> None:
@@ -116,6 +126,12 @@ def test_arguments_are_checked_before_anything_is_written() -> None:
         pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, parents=torch.zeros(2, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"verify\(layer=0\): `use_qk_l2norm_in_kernel` must be a bool; got 'yes'"):
         pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, use_qk_l2norm_in_kernel="yes")
+    # a plan is checked on the PyTorch path too, before the step opens: not a plan, a plan of another call
+    with pytest.raises(ValueError, match=r"verify\(layer=0\): `plan` must be a VerifyPlan or None; got str"):
+        pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0], plan="tensor-cores")
+    other = verify_plan.plan_verify(dataclasses.replace(_problem_of(pool, 2, 3), tree=True))
+    with pytest.raises(ValueError, match=r"VerifyPlan: `tree` is True but this call needs False"):
+        pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0], plan=other)
     with pytest.raises(ValueError, match="no verify since the last commit"):
         pool.commit(ids, torch.zeros(2, dtype=torch.int32))
     pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0])
@@ -324,3 +340,31 @@ def test_calls_that_sync_refuse_slots_between_verify_and_commit_and_fork_records
     pool.free([busy])  # committed: it frees, and comes back zeroed with cursor 0
     assert pool.cursors[busy] == 0xFFFF and int(pool.alloc(pool._slots.num_free)[-1]) == busy
     assert pool.cursors[busy] == 0 and pool.conv_state[:, busy].abs().max() == 0
+
+
+@pytest.mark.parametrize("layout", ["predecayed", "sglang"])
+def test_a_free_slot_named_by_the_open_step_is_handed_out_only_after_its_commit(layout: str) -> None:
+    """A verify row naming a free slot is a refused row; alloc between that verify and the commit skips the slot
+    (handed out, it would take the step's commit: a moved cursor, the drafts in its conv window) and hands out the
+    next free one, raises PoolExhaustedError naming the wait when no other is free, and hands the slot out zeroed after
+    the commit; the slot handed out meanwhile keeps the state alloc gave it through the commit."""
+    from tp_replayssm import PoolExhaustedError
+
+    pool = build(KDAHeads(1, 2, K, V), layout=layout, S=3, L=4, conv_kernel_size=4)
+    gen = torch.Generator().manual_seed(9)
+    model = make_model(pool, gen, conv=True)
+    assert pool.alloc(1).tolist() == [0]  # slots 1 and 2 free
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    verify_all(pool, model, random_drafts(pool, 2, 3, gen), slots)
+    new = pool.alloc(1)
+    assert new.tolist() == [2], "the slot the open step names was handed out"
+    with pytest.raises(PoolExhaustedError, match=r"only 0 of 3 are free \(1 more free slots are named by the open "
+                                                 r"verify step"):
+        pool.alloc(1)
+    pool.commit(slots, torch.tensor([3, 3], dtype=torch.int32))
+    with pytest.raises(SlotError, match=r"verify\(layer=0\): 1 row\(s\).*row 1 slot 1"):
+        pool.check()
+    assert pool.cursors[2] == 0 and pool.conv_state[:, 2].abs().max() == 0
+    assert torch.equal(read_states(pool, [2]), torch.zeros_like(read_states(pool, [2])))
+    assert pool.alloc(1).tolist() == [1]
+    assert pool.cursors[1] == 0 and pool.conv_state[:, 1].abs().max() == 0

@@ -219,7 +219,8 @@ def commit_rows(cursors: torch.Tensor, slots: torch.Tensor, num_accepted: torch.
     ``drafts = T``, ``rings``: every layer's ``(d_cache, k_cache, g_cache)`` ``[NL, S, heads, L, ...]``, ``folded
     [NL, S + 1]``, ``conv``: ``(conv_state [NL, S + 1, D, W-1], staged [NLc, B, T, D], layers [NLc] long)`` or None.
 
-    A row is *verified* when its slot is good and its parents a valid tree (exactly the rows its verify ran); a
+    A row is *verified* when its slot is good and its parents a valid tree (exactly the rows its verify ran: a step's
+    slots can be neither freed nor, when free, handed out before its commit, so their verdict holds); a
     verified row with ``num_accepted`` outside ``0..T`` or a path that is not a root-first parent chain takes no draft
     (as ``num_accepted = 0``) and is recorded; so is every other row with ``slot >= 0``, which changes nothing."""
     B, T = slots.shape[0], drafts

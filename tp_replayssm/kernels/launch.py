@@ -53,6 +53,8 @@ def run_decode(call: DecodeCall, *, ring_layout: str, cursor_table: bool = False
     device = call.mixed_qkv.device
     kernel = runs_kernel(device, where)
     W = 0 if conv is None else conv.weight.shape[1]
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise ValueError(f"{where}: `plan` must be a DecodePlan or None; got {type(plan).__name__}")
     if plan is not None:  # (checked on the PyTorch path too, which runs none: a wrong plan is a caller's bug)
         problem = problem_of(
             dims, state_dtype=call.initial_state.dtype, cache_dtype=call.d_cache.dtype, device=device,

@@ -1,6 +1,7 @@
 """A request's life in the pool beyond decoding: ``alloc``, ``free``, ``fork``, ``export_state``, ``import_state``.
 
-- :func:`alloc` hands out slots from the host free list and zeroes their state (device ops, no sync); :func:`free`
+- :func:`alloc` hands out slots from the host free list and zeroes their state (device ops, no sync; while a
+  verify step is open, free slots that it names wait for its commit); :func:`free`
   gives them back and marks their cursors free, so the kernels refuse rows that name them; a slot of the open
   verify step is refused until its commit.
 - :func:`fork` makes slots copies of others (a request that shares another's prefix): every layer's checkpoint,
@@ -39,7 +40,7 @@ from ..tp.devices import resolve_device
 from ..validation import describe
 from .agreement import same_call_on_every_rank, slot_ids
 from .shard import StateShard
-from .slots import host_ids, raise_slot_error, refuse_bad_ids, waiting
+from .slots import host_ids, in_flight, raise_slot_error, refuse_bad_ids, waiting
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -49,9 +50,13 @@ __all__ = ["alloc", "export_state", "fork", "fork_torch", "free", "import_state"
 
 def alloc(pool: ReplaySSMStatePool, n: int) -> torch.Tensor:
     """:meth:`ReplaySSMStatePool.alloc`."""
+    # a free slot that the open verify step names (a refused row) is not handed out before the commit, which would
+    # otherwise write the step into the new request's cursor and conv window (reads the step's slots back: a sync,
+    # only while a step is open)
+    held = in_flight(pool)
     if pool.debug:  # the ranks' free lists must hand out the same ids
-        same_call_on_every_rank(pool, "ReplaySSMStatePool.alloc", n=n, ids=pool._slots.peek(n))
-    ids = pool._slots.take(n, "ReplaySSMStatePool.alloc")
+        same_call_on_every_rank(pool, "ReplaySSMStatePool.alloc", n=n, ids=pool._slots.peek(n, held))
+    ids = pool._slots.take(n, "ReplaySSMStatePool.alloc", held)
     out = torch.tensor(ids, dtype=torch.int32, device=pool.device)
     if n:
         idx = out.long()

@@ -194,7 +194,8 @@ class ReplaySSMStatePool:
     def alloc(self, n: int) -> torch.Tensor:
         """Hand out ``n`` slots: int32 ids ``[n]`` on ``pool.device``. Each new slot's checkpoint and rings are zeroed
         in every layer and its cursor set to 0 (device ops, no sync). Raises :class:`PoolExhaustedError` (allocating
-        nothing) when fewer than ``n`` slots are free."""
+        nothing) when fewer than ``n`` slots are free. While a verify step is open, a free slot that it names waits
+        for the commit (the step's slots are read back: a sync)."""
         return lifecycle.alloc(self, n)
 
     def free(self, slots: torch.Tensor | Sequence[int] | int) -> None:

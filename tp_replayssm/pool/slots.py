@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,18 +73,29 @@ class SlotTable:
         return "; ".join(f"slot{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))}: {why}"
                          for why, ids in reasons.items())
 
-    def peek(self, n: object) -> list[int]:
-        """The ids ``take(n)`` would hand out now (as many as are free), taking none."""
-        return list(itertools.islice(self._free, n)) if is_int(n) and n > 0 else []
+    def peek(self, n: object, held: Collection[int] = ()) -> list[int]:
+        """The ids ``take(n, where, held)`` would hand out now (as many as are free), taking none."""
+        if not is_int(n) or n <= 0:
+            return []
+        return list(itertools.islice((i for i in self._free if i not in held), n))
 
-    def take(self, n: int, where: str) -> list[int]:
-        """``n`` free ids (``PoolExhaustedError``, taking none, when fewer are free)."""
+    def take(self, n: int, where: str, held: Collection[int] = ()) -> list[int]:
+        """``n`` free ids, skipping those in ``held`` (free ids that must not be handed out yet: they keep their
+        place at the front); ``PoolExhaustedError``, taking none, when fewer are free."""
         if not is_int(n) or n < 0:
             raise ValueError(f"{where}: `n` must be a non-negative int; got {n!r}")
-        if n > len(self._free):
-            raise PoolExhaustedError(f"{where}: asked for {n} slots but only {len(self._free)} of {self.num_slots} "
-                                     "are free")
-        ids = [self._free.popleft() for _ in range(n)]
+        waiting = sum(1 for i in self._free if i in held) if held else 0
+        if n > len(self._free) - waiting:
+            raise PoolExhaustedError(
+                f"{where}: asked for {n} slots but only {len(self._free) - waiting} of {self.num_slots} are free"
+                + (f" ({waiting} more free slots are named by the open verify step: handed out after its commit)"
+                   if waiting else ""))
+        ids: list[int] = []
+        kept: list[int] = []
+        while len(ids) < n:
+            i = self._free.popleft()
+            (kept if i in held else ids).append(i)
+        self._free.extendleft(reversed(kept))
         for i in ids:
             self._allocated[i] = 1
         return ids

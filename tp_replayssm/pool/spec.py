@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.commit import run_commit
-from ..kernels.verify_launch import run_verify
+from ..kernels.verify_launch import check_verify_plan, run_verify
 from ..reference_spec import chain_parents, parents_valid, path_valid, tree_conv
 from ..spec_validation import VerifyCall, validate_commit, validate_verify
 from . import conv
@@ -124,13 +124,14 @@ def verify(pool: ReplaySSMStatePool, layer: int, mixed_qkv: torch.Tensor, a: tor
     folded, counters = _spec_tensors(pool)
     if conv_weight is not None:  # (before the step opens: nothing has been written if it raises)
         mixed_qkv = _draft_conv(pool, layer, mixed_qkv, conv_weight, conv_bias, slots, parents)
+    views = pool.layer(layer)
+    call = VerifyCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, pool.cursors, parents,
+                      folded[layer], counters, use_qk_l2norm_in_kernel, lower_bound)
+    check_verify_plan(plan, call, dims, ring_layout=pool.ring_layout, where=where)  # (before the step opens)
     if step is None:
         step = pool._spec_step = SpecStep(B, T, parents, slots)
     if conv_weight is not None:
         step.conv_layers.add(layer)
-    views = pool.layer(layer)
-    call = VerifyCall(mixed_qkv, a, b, A_log, dt_bias, scale, *views, out, slots, pool.cursors, parents,
-                      folded[layer], counters, use_qk_l2norm_in_kernel, lower_bound)
     run_verify(call, dims, ring_layout=pool.ring_layout, guard=pool.guard("verify", layer), where=where, plan=plan)
     step.layers.add(layer)
     return out
