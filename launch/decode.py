@@ -137,9 +137,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_len < args.min_len:
         p.error("--max-len must be >= --min-len")
-    for name in ("fork_prob", "preempt_prob"):
+    for name in ("arrival", "fork_prob", "preempt_prob"):
         if not 0.0 <= getattr(args, name) <= 1.0:
-            p.error(f"--{name.replace('_', '-')} must be in [0, 1]")
+            p.error(f"--{name.replace('_', '-')} must be in [0, 1]; got {getattr(args, name)}")
+    for name in ("check_every", "check_rows"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0; got {getattr(args, name)}")
+    if args.log_every < 1:
+        p.error(f"--log-every must be >= 1; got {args.log_every}")
+    if args.corrupt_output and (args.check_every < 1 or args.check_rows < 1):
+        p.error("--corrupt-output tests the sampled rows' check: it needs --check-every >= 1 and --check-rows >= 1")
+    if not 0.0 < args.timeout < float("inf"):
+        p.error(f"--timeout must be a number of seconds > 0; got {args.timeout}")
     if args.cache_dtype == "float16" and args.ring_layout == "predecayed":
         p.error("--cache-dtype float16 needs --ring-layout sglang (the pre-decayed keys overflow fp16)")
     return args

@@ -147,6 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be in [0, 1]; got {getattr(args, name)}")
     if args.prefill_chunk < 0:
         p.error("--prefill-chunk must be >= 0")
+    if not 0.0 < args.timeout < float("inf"):
+        p.error(f"--timeout must be a number of seconds > 0; got {args.timeout}")
     if args.spec_tokens < 0 or (args.spec_tokens and args.spec_tokens + 1 > args.ring_length - 1):
         p.error(f"--spec-tokens must be 0 (off) or T with T + 1 <= --ring-length - 1 = {args.ring_length - 1} (a "
                 f"step verifies the next input token and T drafts); got {args.spec_tokens}")

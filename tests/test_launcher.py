@@ -164,6 +164,18 @@ def test_launcher_help_lists_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     assert {a.dest: a.choices for a in options}["ring_layout"] == RING_LAYOUTS  # the library's layouts
 
 
+def test_launcher_bad_options_exit_2() -> None:
+    """Options out of range are usage errors naming the option (exit 2) before any rank starts: a chance outside
+    [0, 1], negative check counts, no logging interval, a timeout that is not a positive number, and the output
+    self-test with no rows to check (it would pass without checking anything)."""
+    for bad in (["--arrival", "1.5"], ["--check-rows", "-1"], ["--check-every", "-2"], ["--log-every", "0"],
+                ["--timeout", "0"], ["--timeout", "nan"], ["--corrupt-output", "--check-rows", "0"],
+                ["--corrupt-output", "--check-every", "0"]):
+        run = subprocess.run([sys.executable, str(LAUNCHER), *bad], cwd=REPO, capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2 and f"error: {bad[0]}" in run.stderr, (bad, run.stderr)
+
+
 @pytest.mark.parametrize("script", ["decode.py", "serve.py"])
 def test_launcher_help_shows_every_default_and_help(monkeypatch: pytest.MonkeyPatch, script: str) -> None:
     """Both launchers: every option has a help text, and its help (as ``--help`` prints it) ends with its default."""

@@ -98,6 +98,27 @@ def test_prefill_leaves_ring_empty_and_cursor_zero() -> None:
     assert not torch.equal(before, pool.read_state(1, slots))
 
 
+@pytest.mark.parametrize("name", ["kv", "noconv-lb"])
+def test_prefill_of_no_sequence_returns_an_empty_output_and_writes_nothing(name: str) -> None:
+    """``cu_seqlens = [0]`` (n = 0 sequences, no slots, no tokens; with and without the conv), as ``[0, hidden]``
+    and ``[1, 0, hidden]``, with and without advance: an empty output of the input's shape, no byte of the pool
+    changed."""
+    cfg = CONFIGS[name]
+    pool = _pool(cfg, 0, 1, layers=1, ring_length=4)
+    layer = TPKimiDeltaAttention.from_state_dict(lh.random_weights(cfg, 3), cfg, pool=pool, layer_idx=0)
+    slots = pool.alloc(2)
+    layer(torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(1)), slots, advance=True)
+    names = ("checkpoint", "d_cache", "k_cache", "g_cache", "cursors", "conv_state")
+    before = {n: getattr(pool, n).clone() for n in names if getattr(pool, n) is not None}
+    none, cu = torch.zeros(0, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for shape in ((0, cfg.hidden_size), (1, 0, cfg.hidden_size)):
+        for advance in (False, True):
+            y = layer(torch.zeros(shape), none, cu, advance=advance)
+            assert y.shape == shape and y.dtype == torch.float32
+    for n, t in before.items():
+        assert torch.equal(getattr(pool, n), t), n
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_matches_plain(tmp_path: Path, world: int) -> None:

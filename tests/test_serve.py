@@ -129,9 +129,10 @@ def test_serve_help_and_bad_arguments() -> None:
     for opt in ("--fork-prob P", "--preempt-prob P", "--inject-bad-slot", "--debug", "--inject-rank-mismatch"):
         assert opt in run.stdout, opt
     assert re.search(r"--fork-prob P\s+chance that a free slot takes a fork.*?\(default: 0\.0\)", run.stdout, re.S)
-    for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"]):
+    for bad in (["--prompt-len", "5", "3"], ["--fork-prob", "1.5"], ["--preempt-prob", "-0.1"], ["--batch", "0"],
+                ["--timeout", "0"], ["--timeout", "nan"], ["--timeout", "inf"]):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60)
-        assert run.returncode == 2, (bad, run.stderr)
+        assert run.returncode == 2 and f"error: {bad[0]}" in run.stderr, (bad, run.stderr)
     # under torchrun every rank parses the command line: rank 0 prints the error, the others only exit 2
     run = subprocess.run([sys.executable, str(SERVE), "--batch", "0"], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RANK": "1"})

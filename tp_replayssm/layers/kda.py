@@ -262,8 +262,10 @@ class TPKimiDeltaAttention(torch.nn.Module):
         pool, layer = self.pool, self.layer_idx
         pool.check()  # an earlier call's bad rows first, as the pool's syncing methods do
         refuse_bad_ids(pool, [int(i) for i in slots.tolist()], where, unique=True)
-        states = pool.read_state(layer, slots)
         mixed, a, b, gate = self._project(x)
+        if not cu[-1]:  # no sequence (n = 0): nothing to run or write, an empty output (every rank reduces it too)
+            return self._output(mixed.new_zeros(0, self.HV_l, self.V), gate).reshape(hidden.shape)
+        states = pool.read_state(layer, slots)
         if self.conv_weight is not None:
             mixed, windows = packed_conv(mixed, pool.read_conv_state(layer, slots), self.conv_weight,
                                          self.conv_bias, cu)
