@@ -163,7 +163,9 @@ def pool_faults(rank: int, world: int, bad: int, faults: list[str]) -> dict[str,
     construct = {"pool-device": {"device": "meta"}, "ring-length": {"ring_length": 4}, "num-slots": {"num_slots": 5},
                  "num-layers": {"num_layers": 3}, "state-dtype": {"state_dtype": torch.bfloat16},
                  "cache-dtype": {"cache_dtype": torch.float32}, "tp-rank": {"tp_rank": (rank + 1) % world},
-                 "ring-layout": {"ring_layout": "sglang"}}
+                 "ring-layout": {"ring_layout": "sglang"},
+                 # arguments that build no pool on the bad rank: every rank raises (none waits out its timeout)
+                 "bad-num-slots": {"num_slots": 0}, "bad-tp-size": {"tp_size": 3}, "bad-debug": {"debug": "false"}}
     out: dict[str, tuple[str | None, float, bool]] = {}
     real_hook = devices.current_cuda_device
     for fault in faults:

@@ -220,6 +220,10 @@ POOL_EXPECT = {
     "cache-dtype": ["cache_dtype='torch.float32' (rank 0: 'torch.bfloat16')"],
     "ring-layout": ["ring_layout='sglang' (rank 0: 'predecayed')"],
     "tp-rank": ["shard index tp_rank=0 != rank in group 1"],
+    "bad-num-slots": ["the arguments build no pool", "rank 1: ReplaySSMStatePool: `num_slots` must be a positive int; "
+                      "got 0"],
+    "bad-tp-size": ["the arguments build no pool", "rank 1: ReplaySSMStatePool: "],
+    "bad-debug": ["the arguments build no pool", "`debug` must be a bool or None", "got 'false'"],
     "cache-device": ["`d_cache` on meta, expected cpu", "verify_placement",
                      "pool.d_cache replaced after construction"],
     "cache-replaced": ["pool.d_cache replaced after construction", "build a new pool", "verify_placement"],

@@ -14,13 +14,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import SlotError
+from ..errors import PlacementError, SlotError
 from ..tp import placement
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["check_placement", "replaced_tensors", "verify_placement"]
+__all__ = ["arguments_on_every_rank", "check_placement", "replaced_tensors", "verify_placement"]
+
+
+def arguments_on_every_rank(group: object | None, problem: str | None, where: str) -> None:
+    """Construction with a group (nothing without one), before anything is allocated: the ranks exchange whether their arguments build a
+    pool (``problem``: this rank's ``ValueError`` text, None when they do). One all-gather of a flag per rank, the
+    texts only when some rank has one; then every rank raises the same :class:`PlacementError` naming each rank whose
+    arguments were refused, where a lone ``ValueError`` would leave the others waiting in their placement check."""
+    import torch.distributed as dist
+
+    if group is None:
+        return
+    texts = placement.gather_texts(group, problem, f"{where}.__init__ (the arguments)")
+    bad = [(rank, g, text) for rank, (text, g) in enumerate(zip(texts, dist.get_process_group_ranks(group)))
+           if text is not None]
+    if bad:  # (the placement check's form: its first line names the offending ranks)
+        raise PlacementError("\n".join(
+            [f"placement check failed during {where}.__init__ ({len(texts)} ranks): the arguments build no pool; "
+             f"offending rank(s): {', '.join(str(rank) for rank, _, _ in bad)}"]
+            + [f"  {placement.rank_name(rank, g)}: {text}" for rank, g, text in bad]))
 
 
 def verify_placement(pool: ReplaySSMStatePool) -> None:

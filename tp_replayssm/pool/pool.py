@@ -44,8 +44,7 @@ import torch
 from ..errors import SlotError
 from ..kernels.guard import ERROR_WORDS, FREE_CURSOR, SlotGuard, call_code, describe_record
 from ..tp import placement
-from ..tp.devices import resolve_device
-from ..tp.heads import HeadShard, KDAHeads, shard_heads
+from ..tp.heads import HeadShard, KDAHeads
 from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
@@ -81,8 +80,9 @@ class ReplaySSMStatePool:
     ``heads`` is the GLOBAL geometry; the pool holds rank ``tp_rank`` of ``tp_size``'s shard (``pool.shard``,
     ``pool.local_heads``). ``tp_rank``/``tp_size`` default to ``group``'s rank and size, else ``0``/``1``;
     ``device`` defaults to the rank's current device (the current CUDA device, else the CPU). With a ``group``,
-    construction is collective (the placement check). ``ring_layout``: ``"predecayed"`` (default) or ``"sglang"``.
-    ``debug`` (None: ``TP_REPLAYSSM_DEBUG``): the checks that sync with the device, and with a group the ranks'
+    construction is collective (the ranks' argument checks, then the placement check: an argument one rank refuses
+    raises the same ``PlacementError`` on every rank). ``ring_layout``: ``"predecayed"`` (default) or ``"sglang"``.
+    ``debug`` (a bool; None: ``TP_REPLAYSSM_DEBUG``): the checks that sync with the device, and with a group the ranks'
     comparison of every call (:mod:`tp_replayssm.pool.agreement`).
     """
 
@@ -105,13 +105,18 @@ class ReplaySSMStatePool:
         conv_dtype: torch.dtype | None = None,
     ) -> None:
         where = "ReplaySSMStatePool"
-        conv_dtype, tp_rank, tp_size = step.check_pool_args(
-            heads, num_layers=num_layers, num_slots=num_slots, ring_length=ring_length, state_dtype=state_dtype,
-            cache_dtype=cache_dtype, ring_layout=ring_layout, conv_kernel_size=conv_kernel_size, conv_dtype=conv_dtype,
-            tp_rank=tp_rank, tp_size=tp_size, group=group)
+        try:
+            conv_dtype, tp_rank, tp_size, shard, pool_device = step.check_pool_args(
+                heads, num_layers=num_layers, num_slots=num_slots, ring_length=ring_length, state_dtype=state_dtype,
+                cache_dtype=cache_dtype, ring_layout=ring_layout, conv_kernel_size=conv_kernel_size,
+                conv_dtype=conv_dtype, tp_rank=tp_rank, tp_size=tp_size, group=group, device=device, debug=debug)
+        except ValueError as exc:  # with a group every rank raises it: none is left waiting in its placement check
+            checks.arguments_on_every_rank(group, str(exc), where)
+            raise
+        checks.arguments_on_every_rank(group, None, where)
 
         self.heads = heads
-        self.shard: HeadShard = shard_heads(heads, tp_size, tp_rank, where=where)
+        self.shard: HeadShard = shard
         self.local_heads: KDAHeads = self.shard.local
         self.tp_rank, self.tp_size, self.group = tp_rank, tp_size, group
         self.num_layers, self.num_slots, self.ring_length = num_layers, num_slots, ring_length
@@ -119,7 +124,7 @@ class ReplaySSMStatePool:
         self.ring_layout = ring_layout
         self.conv_kernel_size, self.conv_dtype = conv_kernel_size, conv_dtype
         self.conv_channels = self.local_heads.qkv_width  # D: the conv runs over mixed_qkv's columns
-        self.device = resolve_device(device, where)
+        self.device = pool_device
         self.serial = next(_SERIALS)  # this process's pools in the order built (debug mode compares it across ranks)
         self.debug, self._config_problems = debug_setting(debug, where, group)
 

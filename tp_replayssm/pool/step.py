@@ -12,7 +12,8 @@ import torch
 from ..kernels import cursor
 from ..kernels.launch import run_decode
 from ..kernels.guard import FREE_CURSOR
-from ..tp.heads import KDAHeads
+from ..tp.devices import resolve_device
+from ..tp.heads import HeadShard, KDAHeads, shard_heads
 from ..validation import CACHE_DTYPES, RING_LAYOUTS, STATE_DTYPES, DecodeCall, check_ring_layout, describe
 from . import conv
 from .agreement import same_call_on_every_rank, shape_of, slot_ids
@@ -87,10 +88,11 @@ def advance(pool: ReplaySSMStatePool, slots: torch.Tensor, force_flush: torch.Te
 
 def check_pool_args(heads: KDAHeads, *, num_layers: int, num_slots: int, ring_length: int, state_dtype: torch.dtype,
                     cache_dtype: torch.dtype, ring_layout: str, conv_kernel_size: int, conv_dtype: torch.dtype | None,
-                    tp_rank: int | None, tp_size: int | None, group: object | None
-                    ) -> tuple[torch.dtype, int, int]:
+                    tp_rank: int | None, tp_size: int | None, group: object | None, device: object = None,
+                    debug: object = None) -> tuple[torch.dtype, int, int, HeadShard, torch.device]:
     """The pool constructor's arguments checked (``ValueError`` naming the argument, the expected and the actual
-    value); returns ``(conv_dtype, tp_rank, tp_size)`` resolved (the cache dtype, the group's rank and size)."""
+    value); returns ``(conv_dtype, tp_rank, tp_size, shard, device)`` resolved (the cache dtype, the group's rank
+    and size, the rank's shard of the heads, the pool's device)."""
     where = "ReplaySSMStatePool"
     if not isinstance(heads, KDAHeads):
         raise ValueError(f"{where}: `heads` must be a tp_replayssm.KDAHeads; got {type(heads).__name__}")
@@ -114,6 +116,8 @@ def check_pool_args(heads: KDAHeads, *, num_layers: int, num_slots: int, ring_le
         raise ValueError(f"{where}: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
     check_ring_layout(ring_layout, cache_dtype, f"{where} (ring_layout={ring_layout!r}; an fp16 cache needs "
                                                 "ring_layout='sglang')")
+    if debug is not None and not isinstance(debug, bool):  # (a string such as "false" would read as true)
+        raise ValueError(f"{where}: `debug` must be a bool or None (None: TP_REPLAYSSM_DEBUG); got {debug!r}")
     if group is not None:
         import torch.distributed as dist
 
@@ -121,4 +125,5 @@ def check_pool_args(heads: KDAHeads, *, num_layers: int, num_slots: int, ring_le
         tp_size = dist.get_world_size(group) if tp_size is None else tp_size
     tp_rank = 0 if tp_rank is None else tp_rank
     tp_size = 1 if tp_size is None else tp_size
-    return conv_dtype, tp_rank, tp_size
+    shard = shard_heads(heads, tp_size, tp_rank, where=where)
+    return conv_dtype, tp_rank, tp_size, shard, resolve_device(device, where)
