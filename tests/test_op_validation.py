@@ -21,6 +21,9 @@ from _op_helpers import B, CASES, H, HV, K, L, S, V, _refused_and_unwritten, _te
 
 # ---------------------------------------------------------------- validation
 
+with torch.inference_mode():  # an inference tensor, written by a call outside inference mode below
+    _INFERENCE_G = torch.randn(S, HV, L, K)
+
 BAD_INPUTS = {
     "mixed_qkv": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V + 1, dtype=torch.bfloat16)), r"\[3, 129\]"),
     "mixed_qkv-dtype": (dict(mixed_qkv=torch.randn(B, 2 * H * K + HV * V, dtype=torch.float64)), "float64"),
@@ -52,6 +55,16 @@ BAD_INPUTS = {
                             r"`mixed_qkv`'s width 128 = 2\*H\*K \+ HV\*V gives H = 2 q/k heads, but `k_cache` "
                             r"\[S, H, L, K\] has H = 4"),
     "use_qk_l2norm_in_kernel": (dict(use_qk_l2norm_in_kernel="yes"), r"must be a bool; got 'yes'"),
+    "scale-bool": (dict(scale=True), r"finite float; got True"),
+    # tensors the call writes in place: torch would refuse the write after the call's earlier writes
+    "d_cache-requires-grad": (dict(d_cache=torch.randn(S, HV, L, V, dtype=torch.bfloat16).requires_grad_()),
+                              "requires_grad=True"),
+    "out-requires-grad": (dict(out=torch.zeros(B, 1, HV, V, dtype=torch.bfloat16, requires_grad=True)),
+                          "requires_grad=True"),
+    "g_cache-inference": (dict(g_cache=_INFERENCE_G), r"inside torch.inference_mode\(\)"),
+    # an expanded state: a flush of one slot would write every slot
+    "initial_state-expanded": (dict(initial_state=torch.randn(1, HV, V, K).expand(S, HV, V, K)),
+                               r"strides \[0, "),
 }
 
 

@@ -79,6 +79,27 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         pool.export_state(ids, device="gpu")
 
 
+def test_a_device_the_pool_cannot_run_on_is_a_clear_error():
+    """A device type other than cpu and cuda (meta aside): a ValueError naming `device`, before any allocation."""
+    for device in ("mps", "xla"):
+        with pytest.raises(ValueError, match=f"`device` must be a cpu or cuda device; got {device}"):
+            ReplaySSMStatePool(SMALL, num_layers=1, num_slots=S, ring_length=L, device=device)
+
+
+def test_cpu_backend_variable_reads_as_the_debug_variable(monkeypatch: pytest.MonkeyPatch):
+    """TP_REPLAYSSM_CPU_BACKEND: empty is unset (the torch path), case and spaces do not matter, anything else is a
+    ValueError naming the variable and its values."""
+    from tp_replayssm.kernels.backend import CPU_BACKEND_ENV, cpu_backend
+
+    for value, want in (("", "torch"), (" Torch ", "torch"), ("INTERPRETER", "interpreter")):
+        monkeypatch.setenv(CPU_BACKEND_ENV, value)
+        assert cpu_backend() == want, value
+    monkeypatch.setenv(CPU_BACKEND_ENV, "gpu")
+    with pytest.raises(ValueError, match=r"TP_REPLAYSSM_CPU_BACKEND must be one of \['torch', 'interpreter'\]; "
+                                         r"got 'gpu'"):
+        cpu_backend()
+
+
 def test_decode_and_state_calls_reject_bad_input():
     pool = make_pool(num_layers=2)
     ids = pool.alloc(2)

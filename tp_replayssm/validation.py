@@ -123,7 +123,7 @@ def check_ring_layout(ring_layout: object, cache_dtype: torch.dtype, where: str)
     if ring_layout not in RING_LAYOUTS:
         raise ValueError(f"{where}: `ring_layout` must be one of {list(RING_LAYOUTS)}; got {ring_layout!r}")
     if ring_layout == "predecayed" and cache_dtype not in PREDECAYED_CACHE_DTYPES:
-        raise ValueError(f"{where}: the pre-decayed ring layout needs a cache dtype in "
+        raise ValueError(f"{where}: `ring_layout` 'predecayed' needs a cache dtype (`cache_dtype`, `d_cache`) in "
                          f"{list(PREDECAYED_CACHE_DTYPES)} (its keys reach exp({PREDECAYED_MAX_LOG_DECAY:g})); got "
                          f"{cache_dtype}")
 
@@ -207,7 +207,29 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
              if d != device]
     if wrong:
         raise ValueError(f"{where}: every tensor must be on {owner} {device}; not on it: {', '.join(wrong)}")
+    for name in WRITTEN:  # what the call writes in place: checked here, so nothing is written before an error
+        _check_writable(where, "checkpoint" if cursor_table and name == "initial_state" else name, getattr(call, name))
     return DecodeDims(batch=B, num_q_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, ring_length=L, num_slots=S)
+
+
+# the tensors a decode writes in place (the cursor table too, but the pool's own; the op's write_pos is read)
+WRITTEN = ("out", "initial_state", "d_cache", "k_cache", "g_cache")
+
+
+def _check_writable(where: str, name: str, t: torch.Tensor) -> None:
+    """A tensor the call writes in place: not one autograd tracks, not an inference tensor outside inference mode
+    (torch refuses both writes, after the call's earlier writes), and no stride 0 over a dim of size > 1 (an expanded
+    view: a write to one slot or row would write them all)."""
+    if t.requires_grad:
+        raise _fail(where, name, "a tensor that does not require grad (the call writes it in place)",
+                    "requires_grad=True")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise _fail(where, name, "written inside torch.inference_mode() (it is an inference tensor)",
+                    "a call outside inference mode")
+    aliased = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
+    if aliased:
+        raise _fail(where, name, "free of aliased elements (no stride 0 over a dim of size > 1: an expanded view)",
+                    f"strides {list(t.stride())} for shape {list(t.shape)}")
 
 
 # the pool's calls name the row slots `slots` and the cursor table `cursors` (the op's ssm_state_indices, write_pos)
@@ -237,7 +259,8 @@ def _batch(where: str, per_row: dict[str, object]) -> int:
 def _check_scalars(where: str, scale: float | None, lower_bound: float | None, use_l2norm: object = True) -> None:
     if not isinstance(use_l2norm, bool):
         raise _fail(where, "use_qk_l2norm_in_kernel", "a bool", repr(use_l2norm))
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale)):
         raise _fail(where, "scale", "None or a finite float", repr(scale))
     if lower_bound is not None and not (isinstance(lower_bound, (int, float)) and math.isfinite(lower_bound)
                                         and lower_bound <= 0):  # the gate lower_bound * sigmoid(.) is a log-decay
@@ -256,11 +279,14 @@ def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", curso
     """:func:`validate_decode`, run in full only for a call whose metadata it has not accepted before.
 
     Every tensor check depends only on each argument's type, dtype, shape, strides and device, the presence of
-    ``force_flush``, the layout and the cursor kind: together, the call's signature. A repeat of an accepted
+    ``force_flush``, the layout and the cursor kind, and for the tensors written in place whether they require grad
+    or are inference tensors (and whether inference mode is on): together, the call's signature. A repeat of an accepted
     signature checks only ``scale`` and ``lower_bound``; any other call runs the full checks. The eager op calls
     this on every step, where the full checks cost 15-17 us of host time and a repeat 7 us (2-core CPU machine)."""
     try:
-        signature = (ring_layout, cursor_table, where, num_q_heads) + tuple(
+        signature = (ring_layout, cursor_table, where, num_q_heads, torch.is_inference_mode_enabled()) + tuple(
+            (t.requires_grad, t.is_inference()) for t in (call.out, call.initial_state, call.d_cache, call.k_cache,
+                                                          call.g_cache)) + tuple(
             None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
             for t in (call.mixed_qkv, call.a, call.b, call.A_log, call.dt_bias, call.initial_state, call.d_cache,
                       call.k_cache, call.g_cache, call.out, call.ssm_state_indices, call.write_pos, call.force_flush))

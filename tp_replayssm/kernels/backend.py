@@ -34,7 +34,7 @@ def cpu_backend() -> str:
     """``"torch"`` (the default) or ``"interpreter"``: what runs calls on CPU tensors."""
     if _override:
         return _override[-1]
-    name = os.environ.get(CPU_BACKEND_ENV, "torch")
+    name = os.environ.get(CPU_BACKEND_ENV, "").strip().lower() or "torch"  # (unset or empty: the default)
     if name not in CPU_BACKENDS:
         raise ValueError(f"{CPU_BACKEND_ENV} must be one of {list(CPU_BACKENDS)}; got {name!r}")
     return name

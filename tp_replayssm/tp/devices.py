@@ -54,6 +54,8 @@ def resolve_device(device: torch.device | str | int | None, where: str = "device
                              "visible")
     if dev.type == "cpu":  # torch puts every CPU tensor on "cpu" (no index): "cpu:0" names the same device
         return torch.device("cpu")
+    if strict and dev.type != "meta":  # (meta: tensors without data, for shape and placement checks)
+        raise ValueError(f"{where}: `device` must be a cpu or cuda device; got {dev}")
     return dev
 
 
