@@ -56,6 +56,8 @@ BAD_INPUTS = {
                             r"\[S, H, L, K\] has H = 4"),
     "use_qk_l2norm_in_kernel": (dict(use_qk_l2norm_in_kernel="yes"), r"must be a bool; got 'yes'"),
     "scale-bool": (dict(scale=True), r"finite float; got True"),
+    # the state whose slot count disagrees with the three rings is the one named
+    "initial_state-slots": (dict(initial_state=torch.randn(S - 1, HV, V, K)), r"\[5, 4, 16, 16\]; got \[4, 4, 16, 16\]"),
     # tensors the call writes in place: torch would refuse the write after the call's earlier writes
     "d_cache-requires-grad": (dict(d_cache=torch.randn(S, HV, L, V, dtype=torch.bfloat16).requires_grad_()),
                               "requires_grad=True"),

@@ -151,6 +151,10 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
     L = max(set(lengths), key=lambda n: (lengths.count(n), n == d_cache.shape[2]))
     if L < 1:
         raise _fail(where, "d_cache", "a ring of length L >= 1 (dim 2)", f"L = {L}")
+    # S likewise: the slot count most of the state and rings share (the state's on a tie)
+    counts = [t.shape[0] for t in (initial_state, d_cache, k_cache, g_cache) if isinstance(t, torch.Tensor)
+              and t.dim() == 4]
+    S = max(set(counts), key=lambda n: (counts.count(n), n == initial_state.shape[0]))
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise _fail(where, "k_cache", f"a 4-D tensor [S, {'HV' if predecayed else 'H'}, L, K]", describe(k_cache))
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
