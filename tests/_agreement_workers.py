@@ -228,7 +228,7 @@ def calls_compared(rank: int, world: int) -> list[str]:
 
 def bad_env_on_one_rank(rank: int, world: int, odd: int) -> str:
     """``TP_REPLAYSSM_DEBUG=2`` (not understood) on rank ``odd`` alone: its pool's construction reports it in the
-    placement check every rank takes part in (the text)."""
+    exchange of the ranks' argument checks every rank takes part in (the text)."""
     import os
 
     import torch.distributed as dist

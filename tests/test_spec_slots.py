@@ -7,7 +7,6 @@ between a verify and its commit are refused by the calls that would read or writ
 from __future__ import annotations
 
 import copy
-import dataclasses
 import re
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from _slot_cases import assert_reported, bad_slot_cases
 from _spec_helpers import build, decode_step, make_model, random_drafts, read_states, rel, staggered, verify_all
 from tp_replayssm import KDAHeads, ReplaySSMStatePool, SlotError
+from test_verify_mma import _problem as verify_problem
 from tp_replayssm.kernels import verify_plan
 from tp_replayssm.testing import random_decode_inputs
 
@@ -45,14 +45,6 @@ def _step(pool: ReplaySSMStatePool, model: object, slots: list[int], n: list[int
     out = verify_all(pool, model, drafts, t, par)
     pool.commit(t, torch.tensor(n, dtype=torch.int32))
     return out
-
-
-def _problem_of(pool: ReplaySSMStatePool, batch: int, drafts: int) -> verify_plan.VerifyProblem:
-    """The verify problem of a chain of ``drafts`` over ``batch`` rows of ``pool`` (fp32 activations, on CPU)."""
-    lh = pool.local_heads
-    return verify_plan.VerifyProblem(batch, drafts, lh.num_q_heads, lh.num_v_heads, lh.key_dim, lh.value_dim,
-                                     pool.ring_length, pool.state_dtype, pool.cache_dtype, "cpu", 1, pool.ring_layout,
-                                     False, True, False, False, torch.float32)
 
 
 def _same_pools(a: ReplaySSMStatePool, b: ReplaySSMStatePool) -> None:
@@ -129,7 +121,7 @@ def test_arguments_are_checked_before_anything_is_written() -> None:
     # a plan is checked on the PyTorch path too, before the step opens: not a plan, a plan of another call
     with pytest.raises(ValueError, match=r"verify\(layer=0\): `plan` must be a VerifyPlan or None; got str"):
         pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0], plan="tensor-cores")
-    other = verify_plan.plan_verify(dataclasses.replace(_problem_of(pool, 2, 3), tree=True))
+    other = verify_plan.plan_verify(verify_problem(pool, 2, 3, True))  # a tree's plan
     with pytest.raises(ValueError, match=r"VerifyPlan: `tree` is True but this call needs False"):
         pool.verify(0, x, a, b, p.A_log, p.dt_bias, ids, conv_weight=model.conv[0], plan=other)
     with pytest.raises(ValueError, match="no verify since the last commit"):

@@ -16,18 +16,17 @@ __all__ = ["check_verify_plan", "run_verify"]
 
 
 def check_verify_plan(plan: object | None, call: VerifyCall, dims: VerifyDims, *, ring_layout: str,
-                      where: str) -> object | None:
+                      where: str) -> None:
     """``plan`` checked against the call (on the PyTorch path too, which runs none: a wrong plan is a caller's bug):
     ``ValueError`` unless it is None or a :class:`~.verify_plan.VerifyPlan` that can run it. The pool calls it before
     its verify opens a step, so a wrong plan leaves nothing behind."""
     if plan is None:
-        return None
+        return
     from .verify_plan import VerifyPlan, problem_of
 
     if not isinstance(plan, VerifyPlan):
         raise ValueError(f"{where}: `plan` must be a VerifyPlan or None; got {type(plan).__name__}")
     plan.check(problem_of(call, dims, ring_layout))
-    return plan
 
 
 def run_verify(call: VerifyCall, dims: VerifyDims, *, ring_layout: str, guard: SlotGuard, where: str,

@@ -27,7 +27,7 @@ from ..tp.verdicts import text_digest
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
 
-__all__ = ["DEBUG_ENV", "debug_from_env", "debug_setting", "mismatch_text", "same_call_on_every_rank", "shape_of",
+__all__ = ["DEBUG_ENV", "debug_from_env", "mismatch_text", "same_call_on_every_rank", "shape_of",
            "slot_ids"]
 
 DEBUG_ENV = "TP_REPLAYSSM_DEBUG"
@@ -43,20 +43,6 @@ def debug_from_env(where: str) -> bool:
         raise ValueError(f"{where}: {DEBUG_ENV} must be one of 1, true, yes, on, 0, false, no, off (or unset); got "
                          f"{value!r}")
     return _DEBUG_VALUES[value.strip().lower()]
-
-
-def debug_setting(debug: bool | None, where: str, group: object | None) -> tuple[bool, list[str]]:
-    """A pool's debug mode (``debug``, else :func:`debug_from_env`) and the problem to report in its construction's
-    placement check: with a group, a value of the variable not understood is reported there, collectively, rather
-    than raised on this rank alone while its peers wait in that check."""
-    if debug is not None:
-        return bool(debug), []
-    try:
-        return debug_from_env(where), []
-    except ValueError as exc:
-        if group is None:
-            raise
-        return False, [str(exc)]
 
 
 VALUE_CHARS = 120  # each differing value shown in at most this many characters, around where the values differ

@@ -70,7 +70,7 @@ def check_placement(pool: ReplaySSMStatePool, tensors: dict[str, torch.Tensor], 
     placement.collective_placement_check(
         group=pool.group, expected_device=pool.device, require_current_device=(pool.group is not None),
         fingerprint=dataclasses.replace(pool.fingerprint, debug=pool.debug),  # (debug mode as it is now)
-        tensors={**tensors, **own}, context=context, extra_problems=replaced_tensors(pool) + pool._config_problems)
+        tensors={**tensors, **own}, context=context, extra_problems=replaced_tensors(pool))
 
 
 def replaced_tensors(pool: ReplaySSMStatePool) -> list[str]:

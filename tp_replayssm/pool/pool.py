@@ -48,7 +48,7 @@ from ..tp.heads import HeadShard, KDAHeads
 from . import checks, conv, lifecycle, spec, state, step
 from .memory import PoolMemory, pool_memory
 from .shard import StateShard
-from .agreement import debug_setting
+from .agreement import debug_from_env
 from .slots import SlotTable, debug_check, is_int
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ class ReplaySSMStatePool:
                 heads, num_layers=num_layers, num_slots=num_slots, ring_length=ring_length, state_dtype=state_dtype,
                 cache_dtype=cache_dtype, ring_layout=ring_layout, conv_kernel_size=conv_kernel_size,
                 conv_dtype=conv_dtype, tp_rank=tp_rank, tp_size=tp_size, group=group, device=device, debug=debug)
+            debug_mode = debug_from_env(where) if debug is None else debug
         except ValueError as exc:  # with a group every rank raises it: none is left waiting in its placement check
             checks.arguments_on_every_rank(group, str(exc), where)
             raise
@@ -126,7 +127,7 @@ class ReplaySSMStatePool:
         self.conv_channels = self.local_heads.qkv_width  # D: the conv runs over mixed_qkv's columns
         self.device = pool_device
         self.serial = next(_SERIALS)  # this process's pools in the order built (debug mode compares it across ranks)
-        self.debug, self._config_problems = debug_setting(debug, where, group)
+        self.debug = debug_mode
 
         NL, S, L = num_layers, num_slots, ring_length
         HV, H, K, V = (self.local_heads.num_v_heads, self.local_heads.num_q_heads, self.local_heads.key_dim,

@@ -84,12 +84,12 @@ class SlotTable:
         place at the front); ``PoolExhaustedError``, taking none, when fewer are free."""
         if not is_int(n) or n < 0:
             raise ValueError(f"{where}: `n` must be a non-negative int; got {n!r}")
-        waiting = sum(1 for i in self._free if i in held) if held else 0
-        if n > len(self._free) - waiting:
+        held_free = sum(1 for i in self._free if i in held) if held else 0
+        if n > len(self._free) - held_free:
             raise PoolExhaustedError(
-                f"{where}: asked for {n} slots but only {len(self._free) - waiting} of {self.num_slots} are free"
-                + (f" ({waiting} more free slots are named by the open verify step: handed out after its commit)"
-                   if waiting else ""))
+                f"{where}: asked for {n} slots but only {len(self._free) - held_free} of {self.num_slots} are free"
+                + (f" ({held_free} more free slots are named by the open verify step: handed out after its commit)"
+                   if held_free else ""))
         ids: list[int] = []
         kept: list[int] = []
         while len(ids) < n:
