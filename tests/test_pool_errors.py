@@ -86,6 +86,23 @@ def test_a_device_the_pool_cannot_run_on_is_a_clear_error():
             ReplaySSMStatePool(SMALL, num_layers=1, num_slots=S, ring_length=L, device=device)
 
 
+def test_cuda_devices_resolve_on_a_cuda_machine(monkeypatch: pytest.MonkeyPatch):
+    """On a machine with CUDA (emulated: two visible devices, the current one cuda:1), every way of naming a visible
+    CUDA device resolves to it (an explicit index is kept, ``"cuda"`` and None are the current device) and one past the
+    visible devices is a ValueError naming `device`; other device types are still refused."""
+    from tp_replayssm.tp import devices
+
+    monkeypatch.setattr(devices, "current_cuda_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device, want in (("cuda:0", "cuda:0"), (torch.device("cuda", 0), "cuda:0"), (0, "cuda:0"), ("cuda:1", "cuda:1"),
+                         ("cuda", "cuda:1"), (None, "cuda:1"), ("cpu:0", "cpu")):
+        assert devices.resolve_device(device, "pool") == torch.device(want), device
+    with pytest.raises(ValueError, match="pool: `device` is cuda:2 but only 2 CUDA device"):
+        devices.resolve_device("cuda:2", "pool")
+    with pytest.raises(ValueError, match="pool: `device` must be a cpu or cuda device; got mps"):
+        devices.resolve_device("mps", "pool")
+
+
 def test_cpu_backend_variable_reads_as_the_debug_variable(monkeypatch: pytest.MonkeyPatch):
     """TP_REPLAYSSM_CPU_BACKEND: empty is unset (the torch path), case and spaces do not matter, anything else is a
     ValueError naming the variable and its values."""

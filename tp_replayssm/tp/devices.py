@@ -52,6 +52,7 @@ def resolve_device(device: torch.device | str | int | None, where: str = "device
         if dev.index >= torch.cuda.device_count():
             raise ValueError(f"{where}: `device` is {dev} but only {torch.cuda.device_count()} CUDA device(s) are "
                              "visible")
+        return dev
     if dev.type == "cpu":  # torch puts every CPU tensor on "cpu" (no index): "cpu:0" names the same device
         return torch.device("cpu")
     if strict and dev.type != "meta":  # (meta: tensors without data, for shape and placement checks)
