@@ -62,7 +62,7 @@ for _path in (REPO, REPO / "benchmarks"):
 
 import torch  # noqa: E402
 
-from plan_args import verify_override_arg  # noqa: E402
+from plan_args import replace_verify, verify_override_arg  # noqa: E402
 
 log = logging.getLogger("bench_spec")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -318,11 +318,7 @@ def run_shape(shape: dict[str, Any], args: argparse.Namespace, l2: int, gbps: fl
                                      True, lb is not None, lb is not None and (L - 1) * abs(lb) <= 75, torch.bfloat16),
                        tensor_cores=form_flag(shape["form"]))
     if shape["override"]:
-        import dataclasses
-
-        plan = dataclasses.replace(plan, **shape["override"])
-        if "value_tile" in shape["override"] and "tile_readers" not in shape["override"]:
-            plan = dataclasses.replace(plan, tile_readers=-(-128 // plan.value_tile))
+        plan = replace_verify(plan, shape["override"], 128)
     rec["plan"] = str(plan)
     rec["check_rel_err"] = check_shape(pool, sets, args, params, inputs, plan)
     accepted = torch.full((B,), args.accept, dtype=torch.int32, device="cuda")

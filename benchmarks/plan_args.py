@@ -77,6 +77,18 @@ def verify_override_arg(text: str) -> dict[str, Any]:
     return override_arg(text, VerifyPlan)
 
 
+def replace_verify(plan: Any, fields: dict[str, Any], value_dim: int) -> Any:
+    """``plan`` (a ``VerifyPlan``) with ``fields`` replaced, and the fields that follow them where not given:
+    ``tile_readers`` follows ``value_tile``; ``merged_sums`` (a form of the batched reductions) goes off with
+    ``batched_reductions``."""
+    fields = dict(fields)
+    if "value_tile" in fields:
+        fields.setdefault("tile_readers", -(-value_dim // fields["value_tile"]))
+    if fields.get("batched_reductions") is False:
+        fields.setdefault("merged_sums", False)
+    return dataclasses.replace(plan, **fields)
+
+
 def problem(*, batch: int, heads: int, q_heads: int | None = None, key_dim: int = 128, value_dim: int = 128,
             ring_length: int = 16, state: str = "fp32", cache: str = "bf16", layout: str = "predecayed",
             lower_bound: float | None = None, advance: bool = False, cursor_table: bool | None = None,

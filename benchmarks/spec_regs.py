@@ -105,14 +105,9 @@ def verify_example(batch: int, heads: int, state: str, layout: str, tree: bool, 
     plan = plan_verify(VerifyProblem(B, T, H, HV, K, V, L, sdt, torch.bfloat16, "cuda", 132, layout, tree, True,
                                      lower_bound is not None, bounded, adt))
     if override:
-        import dataclasses
+        from plan_args import replace_verify, verify_override_arg
 
-        from plan_args import verify_override_arg
-
-        fields = verify_override_arg(override)  # VerifyPlan fields: ints, true/false
-        if "value_tile" in fields:
-            fields.setdefault("tile_readers", -(-V // fields["value_tile"]))
-        plan = dataclasses.replace(plan, **fields)
+        plan = replace_verify(plan, verify_override_arg(override), V)  # VerifyPlan fields: ints, true/false
     guard = SlotGuard(torch.zeros(ERROR_WORDS, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
     args = verify_kernel_args(call, dims, plan, guard).values
     return plan.kernel, args, plan

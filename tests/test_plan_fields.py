@@ -34,7 +34,7 @@ def test_every_plan_field_reaches_the_kernel() -> None:
     """A field of ``DecodePlan`` is either part of the launch's config or one of the kernel's constexprs
     (``DecodePlan.constexprs()``), and every constexpr is a parameter of ``replayssm_decode_kernel``: the launch's
     argument builder passes only the kernel's parameters, so a field left out of ``constexprs()`` or a constexpr the
-    kernel does not take would be dropped without an error (DEVELOPERS.md, "Plan choices that wait for the H200")."""
+    kernel does not take would be dropped without an error (DEVELOPERS.md, "Plan choices timed on the device")."""
     import inspect
 
     params = set(inspect.signature(decode.replayssm_decode_kernel).parameters)

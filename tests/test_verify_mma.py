@@ -152,11 +152,11 @@ def test_mma_verify_two_chunks_per_program() -> None:
 
 
 @on_cpu_machine
-@pytest.mark.parametrize("edit", [{}, {"merged_sums": True}], ids=["library-plan", "merged-sums"])
+@pytest.mark.parametrize("edit", [{}, {"merged_sums": False}], ids=["library-plan", "unmerged-sums"])
 def test_mma_verify_rebase(edit: dict) -> None:
     """Pre-decayed rings with a gate that can pass the bound within a ring (lower bound -18, L = 6): the committed
-    gates plus the drafts pass -75, so heads rebase (checkpoint, zeroed deltas, G_{c-1} = 0); with ``merged_sums``
-    the rebase test is a count in the merged reduction."""
+    gates plus the drafts pass -75, so heads rebase (checkpoint, zeroed deltas, G_{c-1} = 0); the library's plan has
+    the rebase test as a count in the merged reduction, ``merged_sums=False`` as minima of their own."""
     pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=3, ring_length=6, cache_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(24)
     model = make_model(pool, gen, lower_bound=-18.0)
@@ -167,9 +167,10 @@ def test_mma_verify_rebase(edit: dict) -> None:
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
-CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch": dict(chunk_prefetch=False),
-           "fold-pass": dict(fold_in_chunks=False), "fold-in-chunks": dict(fold_in_chunks=True),
-           "early-params": dict(early_params=True), "merged-sums": dict(merged_sums=True)}
+CHOICES = {"separate-reductions": dict(batched_reductions=False, merged_sums=False),
+           "no-prefetch": dict(chunk_prefetch=False), "fold-pass": dict(fold_in_chunks=False),
+           "fold-in-chunks": dict(fold_in_chunks=True), "early-params": dict(early_params=True),
+           "unmerged-sums": dict(merged_sums=False)}
 
 
 @on_cpu_machine
@@ -177,7 +178,8 @@ CHOICES = {"separate-reductions": dict(batched_reductions=False), "no-prefetch":
 def test_mma_verify_plan_choices(choice: str) -> None:
     """The tensor-core form's plan edits (``batched_reductions=False``: the prologue's sums over K as separate
     reductions; ``chunk_prefetch=False``: each chunk's loads at its start; ``fold_in_chunks``; ``early_params``: the
-    gate's parameters loaded beside the drafts' inputs; ``merged_sums``: the norms and couplings in one reduction): a
+    gate's parameters loaded beside the drafts' inputs; ``merged_sums=False``: the norms, couplings and rebase test
+    as batched reductions of their own): a
     chain of 3 drafts on an fp32 checkpoint in
     two 16-row chunks per program with a row that folds, padding and a repeated slot; then a tree of 5 drafts on a
     bf16 checkpoint with GQA and a row that folds; against the torch path and float64 as the library's plan is."""
@@ -199,9 +201,9 @@ def test_mma_verify_plan_choices(choice: str) -> None:
 
 @on_cpu_machine
 def test_merged_sums_without_l2norm() -> None:
-    """``merged_sums`` (the couplings on the raw inputs, scaled afterwards) where the call does not normalize q and k
-    (``use_qk_l2norm_in_kernel=False``: the couplings scale by ``scale`` alone, no norms are summed): a chain of 3
-    drafts in the interpreter against the torch path."""
+    """The library's ``merged_sums`` (the couplings on the raw inputs, scaled afterwards) where the call does not
+    normalize q and k (``use_qk_l2norm_in_kernel=False``: the couplings scale by ``scale`` alone, no norms are
+    summed): a chain of 3 drafts in the interpreter against the torch path."""
     pool = _pool(KDAHeads(1, 2, 16, 16), num_slots=4, ring_length=6, cache_dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(25)
     model = make_model(pool, gen)
@@ -209,7 +211,7 @@ def test_merged_sums_without_l2norm() -> None:
     _warm(pool, model, [[0, 1, 2], [0, -1, 2]], gen)
     twin = copy.deepcopy(pool)
     problem = dataclasses.replace(_problem(pool, 3, 3, False), use_l2norm=False)
-    plan = dataclasses.replace(verify_plan.plan_verify(problem, tensor_cores=True), merged_sums=True)
+    plan = verify_plan.plan_verify(problem, tensor_cores=True)
     drafts = random_drafts(pool, 3, 3, gen)
     slots = torch.tensor([0, 1, 2], dtype=torch.int32)
     p = model.params[0]
@@ -218,7 +220,7 @@ def test_merged_sums_without_l2norm() -> None:
         with use_cpu_backend(backend):
             outs.append(target.verify(0, drafts.mixed[0], drafts.a[0], drafts.b[0], p.A_log, p.dt_bias, slots,
                                       use_qk_l2norm_in_kernel=False, **kw))
-    assert plan.merged_sums and not plan.use_l2norm
+    assert plan.merged_sums and not plan.use_l2norm, plan
     assert torch.isfinite(outs[0]).all() and rel(outs[0], outs[1]) < 1e-5, rel(outs[0], outs[1])
 
 
@@ -232,7 +234,7 @@ def test_mma_verify_separate_reductions_rebase() -> None:
     pool.alloc(2)
     _warm(pool, model, [[0, 1], [0, 1], [0, -1]], gen, a_shift=4.0)
     before = pool.g_cache[0, 0, :, 2].clone()
-    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, batched_reductions=False)
+    _case(pool, model, [0, 1], 2, gen, None, 1e-5, 1e-5, a_shift=4.0, batched_reductions=False, merged_sums=False)
     assert (before != 0).any() and (pool.g_cache[0, 0, :, 2] == 0).all(), "row 0 (cursor 3) did not rebase"
 
 
@@ -240,11 +242,11 @@ def test_mma_verify_separate_reductions_rebase() -> None:
 
 
 @pytest.fixture(params=["tensor-cores", "tensor-cores-separate", "tensor-cores-no-prefetch",
-                        "tensor-cores-early-params", "tensor-cores-merged-sums", "cuda-cores"])
+                        "tensor-cores-early-params", "tensor-cores-unmerged-sums", "cuda-cores"])
 def verify_form(request: pytest.FixtureRequest) -> str:
     """The verify form a test's calls take: the tensor-core form (the library's plan; or with
-    ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params`` or ``merged_sums``, which
-    are plan edits no rule sets yet) or the CUDA-core form."""
+    ``batched_reductions=False``; or with ``chunk_prefetch=False``; or with ``early_params``, a plan edit no rule
+    sets; or with ``merged_sums=False``) or the CUDA-core form."""
     return request.param
 
 
@@ -257,7 +259,7 @@ def _form_plan(pool: ReplaySSMStatePool, batch: int, drafts: int, tree: bool, fo
     plan = verify_plan.plan_verify(problem, tensor_cores=form != "cuda-cores")
     return dataclasses.replace(plan, batched_reductions=plan.batched_reductions and "separate" not in form,
                                chunk_prefetch="no-prefetch" not in form, early_params="early-params" in form,
-                               merged_sums="merged-sums" in form)
+                               merged_sums=plan.merged_sums and "separate" not in form and "unmerged" not in form)
 
 
 @pytest.mark.gpu

@@ -110,7 +110,7 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
     problem = verify_plan.VerifyProblem(**base)
     plan = verify_plan.plan_verify(problem)
     assert plan.tensor_cores and plan.batched_reductions and plan.constexprs()["batched_reductions"] is True
-    separate = dataclasses.replace(plan, batched_reductions=False)
+    separate = dataclasses.replace(plan, batched_reductions=False, merged_sums=False)
     separate.check(problem)
     assert separate.constexprs()["batched_reductions"] is False and "batched_reductions=False" in str(separate)
     assert plan.chunk_prefetch and dataclasses.replace(plan, chunk_prefetch=False).constexprs()["chunk_prefetch"] is False
@@ -122,9 +122,10 @@ def test_plan_choices_belong_to_the_tensor_core_form() -> None:
             dataclasses.replace(cuda_cores, **change).check(problem)
     assert not cuda_cores.fold_in_chunks and "fold_in_chunks" not in cuda_cores.constexprs()
     assert not plan.early_params and dataclasses.replace(plan, early_params=True).constexprs()["early_params"] is True
-    assert not plan.merged_sums and dataclasses.replace(plan, merged_sums=True).constexprs()["merged_sums"] is True
+    assert plan.merged_sums and plan.constexprs()["merged_sums"] is True and not cuda_cores.merged_sums
+    assert dataclasses.replace(plan, merged_sums=False).constexprs()["merged_sums"] is False
     with pytest.raises(ValueError, match="`merged_sums` is a form of the batched reductions"):
-        dataclasses.replace(plan, merged_sums=True, batched_reductions=False).check(problem)
+        dataclasses.replace(plan, batched_reductions=False).check(problem)
     for cap in (0, 23, 256):  # a cap ptxas cannot take
         with pytest.raises(ValueError, match=f"`maxnreg` must be None or in \\[24, 255\\]; got {cap}"):
             dataclasses.replace(plan, maxnreg=cap).check(problem)

@@ -23,13 +23,15 @@ docs/spec.md):
 - in the tensor-core form, ``batched_reductions`` (the prologue's sums over ``K`` as reductions over tuples: 75
   fewer CTA barriers per program at T = 4; 5-8% faster verify + commit steps on the H200) and chunk loads
   prefetched during the previous chunk's math (``chunk_prefetch``; loads at each chunk's start were 6-14% slower)
-  (docs/tuning.md, "The verify form");
+  (docs/tuning.md, "The verify form"); with them ``merged_sums`` (the norms, the drafts' couplings and the rebase
+  test as one reduction: 3.2-5.5% faster verify + commit steps on the H200 up to B = 32, 7-9% in an 8-layer model
+  step);
 - elsewhere the CUDA-core form: 4-warp programs (a program holds the drafts' ``[Tb, K]`` fp32 tiles and, per chunk
   step, ``[Vc, Tb, K]`` products, which one warp cannot keep in registers), the same value-tile rule with
   :data:`PROGRAMS_PER_SM`, value chunks of ``32 / Tb`` rows (168 registers per thread at ``T = 4``, K = 128).
 
-Two fields no rule sets (DEVELOPERS.md, "Plan choices that wait for the H200"): ``early_params`` (timed, not faster)
-and ``merged_sums`` (timed faster; its GPU test has yet to run) (docs/tuning.md, "The verify form").
+One field no rule sets (DEVELOPERS.md, "Plan choices timed on the device"): ``early_params`` (timed, not faster;
+docs/tuning.md, "The verify form").
 """
 
 from __future__ import annotations
@@ -151,8 +153,8 @@ class VerifyPlan:
     # docs/tuning.md)
     merged_sums: bool = False  # tensor cores with batched_reductions: the norms, the drafts' couplings and the rebase
     # test summed in one reduction (the couplings on the raw inputs, scaled by the norms after it; the rebase test a
-    # count: verify_math.merged_terms), not three (a plan edit: 3.2-5.5% faster on the H200 up to B = 32; no rule
-    # sets it until its GPU test has run: DEVELOPERS.md, docs/tuning.md)
+    # count: verify_math.merged_terms), not three (on wherever batched_reductions is: 3.2-5.5% faster on the H200
+    # up to B = 32; docs/tuning.md)
 
     def __str__(self) -> str:
         return "VerifyPlan(" + ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)) + ")"
@@ -216,7 +218,7 @@ class VerifyPlan:
                                  f"2 or 3; got {self.value_chunk} and {self.operand_parts}")
             if self.merged_sums and not self.batched_reductions:
                 raise ValueError("VerifyPlan: `merged_sums` is a form of the batched reductions: it needs "
-                                 "`batched_reductions`")
+                                 "`batched_reductions` (replace both: batched_reductions=False, merged_sums=False)")
         else:
             for name, default in (("batched_reductions", False), ("chunk_prefetch", True), ("fold_in_chunks", False),
                                   ("maxnreg", None), ("early_params", False), ("merged_sums", False)):
@@ -307,7 +309,7 @@ def plan_verify(problem: VerifyProblem, *, tensor_cores: bool | None = None) -> 
         warps, chunk = NUM_WARPS, min(vt, max(1, CHUNK_DRAFT_ROWS // draft_block))
     return VerifyPlan(
         value_tile=vt, value_chunk=chunk, num_warps=warps, tensor_cores=mma, operand_parts=parts,
-        batched_reductions=mma,
+        batched_reductions=mma, merged_sums=mma,
         fold_in_chunks=mma and (problem.state_dtype != torch.float32 or vt >= V),
         maxnreg=_register_cap(problem, pairs * -(-V // vt), sms) if mma else None,
         draft_block=draft_block, predecayed_ring=mode, tree=problem.tree,
