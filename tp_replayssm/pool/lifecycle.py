@@ -40,7 +40,7 @@ from ..tp.devices import resolve_device
 from ..validation import describe
 from .agreement import same_call_on_every_rank, slot_ids
 from .shard import StateShard
-from .slots import host_ids, in_flight, raise_slot_error, refuse_bad_ids, waiting
+from .slots import host_ids, ids_on_device, in_flight, raise_slot_error, refuse_bad_ids, waiting
 
 if TYPE_CHECKING:
     from .pool import ReplaySSMStatePool
@@ -57,7 +57,7 @@ def alloc(pool: ReplaySSMStatePool, n: int) -> torch.Tensor:
     if pool.debug:  # the ranks' free lists must hand out the same ids
         same_call_on_every_rank(pool, "ReplaySSMStatePool.alloc", n=n, ids=pool._slots.peek(n, held))
     ids = pool._slots.take(n, "ReplaySSMStatePool.alloc", held)
-    out = torch.tensor(ids, dtype=torch.int32, device=pool.device)
+    out = ids_on_device(ids, torch.int32, pool.device)
     if n:
         idx = out.long()
         for t in (pool.checkpoint, pool.d_cache, pool.k_cache, pool.g_cache, pool.conv_state,
@@ -79,7 +79,7 @@ def free(pool: ReplaySSMStatePool, slots: object) -> None:
     raise_slot_error(where, waiting(pool, ids))
     pool._slots.give_back(ids, where)
     if ids:  # the kernels now refuse rows that name these slots
-        pool.cursors.index_fill_(0, torch.tensor(ids, dtype=torch.long, device=pool.device), FREE_CURSOR)
+        pool.cursors.index_fill_(0, ids_on_device(ids, torch.long, pool.device), FREE_CURSOR)
 
 # the most fp32 state bytes materialized on the pool's device at once by an export (layers are done in chunks)
 EXPORT_CHUNK_BYTES = 256 << 20

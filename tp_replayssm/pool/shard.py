@@ -130,11 +130,17 @@ class StateShard:
         return self
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> StateShard:
-        """The same shard with its tensors on ``device`` (waits for a pending copy first)."""
+        """The same shard with its tensors on ``device`` (waits for a pending copy first). ``non_blocking`` from a
+        CUDA shard: an asynchronous copy whose result carries its event (``ready``, ``wait()``)."""
         self.wait()
         move = (lambda t: None if t is None else t.to(device, non_blocking=non_blocking))  # noqa: E731
-        return dataclasses.replace(self, states=move(self.states), conv_states=move(self.conv_states),
-                                   copy_done=None)
+        states, conv_states = move(self.states), move(self.conv_states)
+        copy_done = None
+        src = self.states.device
+        if non_blocking and src.type == "cuda" and states.device != src:  # (to the CPU: pinned, asynchronous)
+            copy_done = torch.cuda.Event()
+            copy_done.record(torch.cuda.current_stream(src))
+        return dataclasses.replace(self, states=states, conv_states=conv_states, copy_done=copy_done)
 
     # ---- printing and pickling ------------------------------------------------------------------
 

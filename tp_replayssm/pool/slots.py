@@ -165,6 +165,16 @@ def host_ids(slots: object, where: str) -> list[int]:
     raise ValueError(f"{where}: `slots` must be an int, a sequence of ints or a 0-/1-D integer tensor; got {slots!r}")
 
 
+def ids_on_device(ids: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host ids as a tensor on ``device`` without a host sync. ``torch.tensor(ids, device=cuda)`` is a blocking copy
+    (``cudaStreamSynchronize``: the host waits for all queued work); on CUDA the ids go through pinned memory and an
+    asynchronous copy instead (the caching host allocator keeps the pinned block until the copy is done)."""
+    host = torch.tensor(ids, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def raise_slot_error(where: str, problems: list[str]) -> None:
     if problems:
         raise SlotError(f"{where}: {'; '.join(problems)}")
