@@ -130,8 +130,8 @@ def test_fused_bad_rows_in_the_interpreter(interpreter: None, early: bool, relax
 
 
 def test_fused_decode_argument_errors() -> None:
-    """A conv plan beside a plan that fuses the conv, and a fused plan for a call it cannot run, are ValueErrors
-    before anything is written."""
+    """A conv plan beside a plan that fuses the conv (on the torch path too, where nothing fuses), and a fused plan
+    for a call it cannot run, are ValueErrors before anything is written."""
     from tp_replayssm.kernels.conv_plan import plan_conv
 
     pool = make_pool(1, 2, torch.float32)
@@ -142,6 +142,9 @@ def test_fused_decode_argument_errors() -> None:
     ids = torch.tensor([0, 2, 3], dtype=torch.int32)
     call = (1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, ids)
     plan = plan_of(pool, 3, False)
+    with pytest.raises(ValueError, match="`conv_plan` given, but `plan` fuses the conv"):
+        pool.decode(*call, conv_weight=weight, conv_bias=bias, plan=plan,
+                    conv_plan=plan_conv(3, pool.conv_channels, 4, 132, 1))
     with use_cpu_backend("interpreter"):
         with pytest.raises(ValueError, match="`conv_plan` given, but `plan` fuses the conv"):
             pool.decode(*call, conv_weight=weight, conv_bias=bias, plan=plan,
@@ -152,6 +155,28 @@ def test_fused_decode_argument_errors() -> None:
             pool.decode(*call, conv_plan=plan_conv(3, pool.conv_channels, 4, 132, 1))
     for n, t in snapshot.items():
         assert torch.equal(getattr(pool, n), t), n
+
+
+def test_conv_plan_without_a_plan_takes_the_conv_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``conv_plan`` without a decode ``plan`` where the library would fuse the conv (every batch here): the conv
+    runs in its own launch with that plan, and the decode and the windows equal the torch path's."""
+    from tp_replayssm.kernels import plan as plan_module
+    from tp_replayssm.kernels.conv_plan import plan_conv
+
+    monkeypatch.setattr(plan_module, "FUSE_CONV_FROM", 1)
+    pools = [make_pool(1, 2, torch.float32) for _ in range(2)]
+    weight, bias = conv_taps(pools[0].conv_channels, seed=2)
+    params = random_head_params(2, K)
+    x = random_decode_inputs(3, 1, 2, K, V, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    ids = torch.tensor([0, 2, 3], dtype=torch.int32)
+    outs = []
+    for pool, backend in zip(pools, ("interpreter", "torch")):
+        with use_cpu_backend(backend):
+            outs.append(pool.decode(1, x.mixed_qkv, x.a, x.b, params.A_log, params.dt_bias, ids, conv_weight=weight,
+                                    conv_bias=bias, conv_plan=plan_conv(3, pool.conv_channels, 4, 132, 1)))
+    torch.testing.assert_close(outs[0].double(), outs[1].double(), rtol=1e-2, atol=1e-2)  # bf16 outputs
+    assert torch.equal(pools[0].conv_state, pools[1].conv_state)  # the windows hold the inputs
+    assert getattr(pools[0], "conv_counters", None) is None  # no fused launch ran
 
 
 # ---- the GPU --------------------------------------------------------------------------------------

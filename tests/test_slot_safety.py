@@ -184,6 +184,8 @@ def test_debug_mode_raises_at_the_call_before_anything_is_written() -> None:
         _step(pool, params, [4, 0], "decode")
     with pytest.raises(SlotError, match="given more than once"):
         _step(pool, params, [3, 3], "decode")
+    with pytest.raises(SlotError, match=r"advance \(debug check\): .*given more than once"):
+        pool.advance(torch.tensor([3, -1, 3], dtype=torch.int32))
     for n, t in snapshot.items():
         assert torch.equal(getattr(pool, n), t), n
 

@@ -182,12 +182,12 @@ def decode_with_conv(pool: ReplaySSMStatePool, layer: int, call: DecodeCall, wei
     given = plan
     if plan is not None:
         plan.check(problem, device_code=kernel)
-    elif kernel:
-        plan = plan_decode(problem)
-    if kernel and plan.fused_conv:
-        if conv_plan is not None:
+        if conv_plan is not None and plan.fused_conv:  # (on every path, though only kernels fuse)
             raise ValueError(f"{where}: `conv_plan` given, but `plan` fuses the conv into the decode launch "
                              f"(fused_conv={plan.fused_conv}); pass a plan with fused_conv=0 for a conv launch")
+    elif kernel:  # a conv_plan asks for the conv's own launch
+        plan = plan_decode(problem, fuse_conv=False if conv_plan is not None else None)
+    if kernel and plan.fused_conv:
         counters = getattr(pool, "conv_counters", None)
         if counters is None:  # made on the first fused call (warm-up, before any graph capture): zero between launches
             counters = pool.conv_counters = torch.zeros((pool.num_slots + 1) * pool.local_heads.num_q_heads,

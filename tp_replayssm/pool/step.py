@@ -82,7 +82,7 @@ def advance(pool: ReplaySSMStatePool, slots: torch.Tensor, force_flush: torch.Te
             raise ValueError(f"{where}: `force_flush` must be None or an int32 tensor [B] = [{B}] on "
                              f"{pool.device}; got {describe(force_flush)}")
     if pool.debug:
-        pool._debug_check(slots, where, allow_padding=True, unique=False)
+        pool._debug_check(slots, where, allow_padding=True, unique=True)  # (a repeat is a bad row: kernels/cursor.py)
     cursor.advance(pool.cursors, slots, force_flush, pool.ring_length, pool.guard("advance"))
 
 
