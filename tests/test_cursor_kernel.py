@@ -77,7 +77,7 @@ def test_kernel_matches_torch_ops_and_model(B: int, interpreter: None) -> None:
             for with_flags in (False, True):
                 cursors, slots, flags = random_case(rng, B, L, num_slots, with_flags)
                 ref, got = cursors.clone(), cursors.to(DEV, copy=True)
-                flags_dev = None if flags is None else flags.to(DEV)
+                flags_dev = None if flags is None else flags.to(DEV, copy=True)  # (a copy: on CPU .to is a no-op)
                 ref_guard, guard = _guard(), _guard()
                 ref_guard = SlotGuard(ref_guard.errors.cpu(), ref_guard.code.cpu())
                 cursor_kernel.advance_torch(ref, slots, flags, L, ref_guard)
@@ -97,6 +97,7 @@ def test_kernel_matches_torch_ops_and_model(B: int, interpreter: None) -> None:
                 # force_flush (given or the cached zeros for None) is read, never written
                 read = no_flush(B, DEV) if flags is None else flags_dev
                 assert torch.equal(read.cpu(), torch.zeros(B, dtype=torch.int32) if flags is None else flags), case
+                assert flags_dev is None or flags_dev.data_ptr() != flags.data_ptr()  # not compared with itself
     if DEV.type == "cuda":  # cases of one metadata after the first launched the compiled kernel directly
         assert cursor_kernel.DIRECT_PLANS.hits > hits
 

@@ -169,7 +169,7 @@ def test_slicing_helpers_reject_wrong_shapes():
     bad = torch.zeros(3, 7)
     for fn, name in [(s.slice_mixed_qkv, "mixed_qkv"), (s.slice_a, "a"), (s.slice_b, "b"),
                      (s.slice_A_log, "A_log"), (s.slice_dt_bias, "dt_bias"), (s.slice_state, "state")]:
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(ValueError, match=rf"^slice_{name}: `{name}` must be"):  # names the argument checked
             fn(bad)
     with pytest.raises(ValueError):
         s.slice_state(torch.zeros(2, 2, V, K))  # local, not global, head count
