@@ -95,5 +95,6 @@ def test_local_rank_beyond_visible_devices(monkeypatch: pytest.MonkeyPatch) -> N
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_requested_without_cuda() -> None:
-    with pytest.raises(distributed.DistributedInitError, match="cuda"):
+    with pytest.raises(distributed.DistributedInitError, match=r"device 'cuda' requested but "
+                                                               r"torch\.cuda\.is_available\(\) is False"):
         distributed.rank_device("cuda", 0)

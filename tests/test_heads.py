@@ -6,6 +6,8 @@ The expected sharding is derived per head from the contract's rule (value head `
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -28,7 +30,7 @@ def test_kda_heads_valid_and_properties():
     assert (h.num_q_heads, h.num_v_heads, h.key_dim, h.value_dim) == (2, 8, 16, 32)
     assert h.group == 4
     assert h.qkv_width == 2 * 2 * 16 + 8 * 32
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         h.num_q_heads = 4  # frozen
 
 

@@ -125,11 +125,12 @@ def test_decode_and_state_calls_reject_bad_input():
     pad = i32([-1] * B)
     args = (inp.mixed_qkv, inp.a, inp.b, p.A_log, p.dt_bias)
     for layer in (-1, 2, True, 0.0, None):
-        with pytest.raises(ValueError, match="layer"):
+        bad_layer = rf"`layer` must be an int in \[0, num_layers=2\); got {layer}"
+        with pytest.raises(ValueError, match=r"ReplaySSMStatePool\.decode: " + bad_layer):
             pool.decode(layer, *args, pad)
-        with pytest.raises(ValueError, match="layer"):
+        with pytest.raises(ValueError, match=r"ReplaySSMStatePool\.read_state: " + bad_layer):
             pool.read_state(layer, ids)
-        with pytest.raises(ValueError, match="layer"):
+        with pytest.raises(ValueError, match=r"ReplaySSMStatePool\.load_state: " + bad_layer):
             pool.load_state(layer, ids, torch.zeros(2, 2, VD, KD, device=DEV))
     for bad in (pad.long(), pad[None], [-1] * B):
         with pytest.raises(ValueError, match="slots"):
@@ -141,7 +142,7 @@ def test_decode_and_state_calls_reject_bad_input():
     for bound in (5.0, float("inf")):  # a gate that grows the state, or none at all
         with pytest.raises(ValueError, match=r"`lower_bound` must be None or a finite float <= 0"):
             pool.decode(0, *args, pad, lower_bound=bound)
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match="`out` must be of dtype torch.float32; got torch.float16"):
         pool.decode(0, *args, pad, out=torch.empty(B, 1, 2, VD, dtype=torch.float16, device=DEV))
     for ff in (pad.long(), i32([0] * (B - 1)), [0] * B):
         with pytest.raises(ValueError, match="force_flush"):
@@ -323,7 +324,10 @@ def test_debug_mode_checks(monkeypatch):
     pool.cursors[ids[1]] = 0
     with pytest.raises(SlotError, match="not allocated"):
         pool.advance(i32([free_slot]))
-    pool.advance(i32([ids[0], ids[0], -1]))  # duplicates are fine in advance
+    before = pool.cursors.clone()
+    with pytest.raises(SlotError, match="more than once"):  # a repeat is a bad row (section 5), as on the device
+        pool.advance(i32([ids[0], ids[0], -1]))
+    assert torch.equal(pool.cursors, before)
     with pytest.raises(SlotError, match="not allocated"):
         pool.read_state(0, i32([free_slot]))
     with pytest.raises(SlotError, match="more than once"):
