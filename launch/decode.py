@@ -151,6 +151,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--timeout must be a number of seconds > 0; got {args.timeout}")
     if args.cache_dtype == "float16" and args.ring_layout == "predecayed":
         p.error("--cache-dtype float16 needs --ring-layout sglang (the pre-decayed keys overflow fp16)")
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # (the sharding rule, docs/contract.md, with the flags named)
+    heads, v_heads = SHAPES[args.shape]["num_q_heads"], SHAPES[args.shape]["num_v_heads"]
+    if v_heads % ranks or (heads % ranks and ranks % heads):
+        p.error(f"--shape {args.shape} ({heads} q/k heads, {v_heads} value heads) does not shard over {ranks} ranks "
+                f"(--nproc-per-node): the value heads must split evenly, the q/k heads split evenly or divide the "
+                f"ranks' number")
     return args
 
 

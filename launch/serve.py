@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--heads", type=int, default=2, help="KDA q/k heads H")
     m.add_argument("--v-heads", type=int, default=4, help="KDA value heads HV (a multiple of H and of the ranks)")
     m.add_argument("--head-dim", type=int, default=16, help="K = V = the low-rank gate width")
-    m.add_argument("--ffn", type=int, default=128, help="MLP width (split over the ranks)")
+    m.add_argument("--ffn", type=int, default=128, help="MLP width (split evenly over the ranks)")
     m.add_argument("--vocab", type=int, default=256, help="vocabulary size")
     s = p.add_argument_group("serving")
     s.add_argument("--requests", type=int, default=12, help="requests in the stream")
@@ -136,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--v-heads must be a multiple of --heads; got --heads {args.heads} --v-heads {args.v_heads}")
     if args.v_heads % ranks:
         p.error(f"--v-heads must split evenly over the {ranks} ranks (--nproc-per-node); got {args.v_heads}")
+    if args.ffn % ranks:
+        p.error(f"--ffn must split evenly over the {ranks} ranks (--nproc-per-node); got {args.ffn}")
     if args.heads % ranks and ranks % args.heads:
         p.error(f"--heads must split evenly over the {ranks} ranks (--nproc-per-node) or divide their number (each "
                 f"q/k head then replicated); got {args.heads}")

@@ -174,6 +174,12 @@ def test_launcher_bad_options_exit_2() -> None:
         run = subprocess.run([sys.executable, str(LAUNCHER), *bad], cwd=REPO, capture_output=True, text=True,
                              timeout=60)
         assert run.returncode == 2 and f"error: {bad[0]}" in run.stderr, (bad, run.stderr)
+    # a shape the ranks cannot share (WORLD_SIZE: torchrun's) is a usage error naming it, not a failure on every rank
+    for bad, world in (([], "3"), (["--shape", "kimi-linear"], "3"), (["--shape", "kimi-linear"], "64")):
+        run = subprocess.run([sys.executable, str(LAUNCHER), *bad], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "WORLD_SIZE": world})
+        text = f"error: --shape {bad[1] if bad else 'tiny'} ("
+        assert run.returncode == 2 and text in run.stderr and f"over {world} ranks" in run.stderr, (bad, run.stderr)
 
 
 @pytest.mark.parametrize("script", ["decode.py", "serve.py"])

@@ -140,7 +140,8 @@ def test_serve_help_and_bad_arguments() -> None:
     # heads the ranks cannot share: refused naming the flags, before any rank starts (WORLD_SIZE: torchrun's)
     for bad, world, text in ((["--v-heads", "3"], "1", "--v-heads must be a multiple of --heads; got --heads 2"),
                              ([], "3", "--v-heads must split evenly over the 3 ranks (--nproc-per-node); got 4"),
-                             (["--heads", "3", "--v-heads", "6"], "2", "--heads must split evenly over the 2 ranks")):
+                             (["--heads", "3", "--v-heads", "6"], "2", "--heads must split evenly over the 2 ranks"),
+                             (["--heads", "3", "--v-heads", "6"], "3", "--ffn must split evenly over the 3 ranks")):
         run = subprocess.run([sys.executable, str(SERVE), *bad], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "WORLD_SIZE": world})
         assert run.returncode == 2 and text in run.stderr, (bad, world, run.stderr)
