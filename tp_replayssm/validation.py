@@ -146,15 +146,12 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
         raise _fail(where, "initial_state", "non-empty [S, HV, V, K]", list(initial_state.shape))
     if not isinstance(d_cache, torch.Tensor) or d_cache.dim() != 4:
         raise _fail(where, "d_cache", "a 4-D tensor [S, HV, L, V]", describe(d_cache))
-    # L: the ring length most of the three rings share (d_cache's on a tie), so the error names the odd one
-    lengths = [t.shape[2] for t in (d_cache, k_cache, g_cache) if isinstance(t, torch.Tensor) and t.dim() == 4]
-    L = max(set(lengths), key=lambda n: (lengths.count(n), n == d_cache.shape[2]))
+    # L and S: the ring length most of the rings share, the slot count most of the state and rings share (d_cache's
+    # and the state's on a tie), so an error names the odd tensor
+    L = _majority((d_cache, k_cache, g_cache), 2)
     if L < 1:
         raise _fail(where, "d_cache", "a ring of length L >= 1 (dim 2)", f"L = {L}")
-    # S likewise: the slot count most of the state and rings share (the state's on a tie)
-    counts = [t.shape[0] for t in (initial_state, d_cache, k_cache, g_cache) if isinstance(t, torch.Tensor)
-              and t.dim() == 4]
-    S = max(set(counts), key=lambda n: (counts.count(n), n == initial_state.shape[0]))
+    S = _majority((initial_state, d_cache, k_cache, g_cache), 0)
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         raise _fail(where, "k_cache", f"a 4-D tensor [S, {'HV' if predecayed else 'H'}, L, K]", describe(k_cache))
     if not isinstance(mixed_qkv, torch.Tensor) or mixed_qkv.dim() != 2:
@@ -214,6 +211,12 @@ def validate_decode(call: DecodeCall, *, ring_layout: str = "sglang", cursor_tab
     for name in WRITTEN:  # what the call writes in place: checked here, so nothing is written before an error
         _check_writable(where, "checkpoint" if cursor_table and name == "initial_state" else name, getattr(call, name))
     return DecodeDims(batch=B, num_q_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, ring_length=L, num_slots=S)
+
+
+def _majority(tensors: tuple[object, ...], dim: int) -> int:
+    """The size along ``dim`` that most of the 4-D ``tensors`` share; on a tie the first tensor's (a 4-D tensor)."""
+    sizes = [t.shape[dim] for t in tensors if isinstance(t, torch.Tensor) and t.dim() == 4]
+    return max(set(sizes), key=lambda n: (sizes.count(n), n == tensors[0].shape[dim]))
 
 
 # the tensors a decode writes in place (the cursor table too, but the pool's own; the op's write_pos is read)
@@ -289,8 +292,7 @@ def validate_decode_once(call: DecodeCall, *, ring_layout: str = "sglang", curso
     this on every step, where the full checks cost 15-17 us of host time and a repeat 7 us (2-core CPU machine)."""
     try:
         signature = (ring_layout, cursor_table, where, num_q_heads, torch.is_inference_mode_enabled()) + tuple(
-            (t.requires_grad, t.is_inference()) for t in (call.out, call.initial_state, call.d_cache, call.k_cache,
-                                                          call.g_cache)) + tuple(
+            (t.requires_grad, t.is_inference()) for t in (getattr(call, name) for name in WRITTEN)) + tuple(
             None if t is None else (type(t), t.dtype, t.shape, t.stride(), t.device)
             for t in (call.mixed_qkv, call.a, call.b, call.A_log, call.dt_bias, call.initial_state, call.d_cache,
                       call.k_cache, call.g_cache, call.out, call.ssm_state_indices, call.write_pos, call.force_flush))
